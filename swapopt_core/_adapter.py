@@ -1,0 +1,76 @@
+"""The interface an optimizer family implements to be swapped."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = ["OptimizerAdapter", "StateFactory"]
+
+#: ``make(key, like)`` returns a zero tensor shaped like ``like`` for state entry ``key``:
+#: in host memory when the engine will swap it, on ``like``'s device otherwise.
+StateFactory = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+class OptimizerAdapter(ABC):
+    """Knows one optimizer family: which state it keeps and how one batch is updated.
+
+    The engine owns all movement of state. An adapter only declares the state keys, creates
+    state the way the family would, and runs the family's own numerics on tensors that the
+    engine has placed on the device.
+    """
+
+    #: Human-readable family name, used in error messages (e.g. ``"torch.optim.Adam"``).
+    family: ClassVar[str]
+    #: Every state key the family can own; ``SwapOptimizerConfig.state_keys`` must be a subset.
+    state_key_names: ClassVar[tuple[str, ...]]
+    #: Whether the family keeps master weights that ``include_master_params`` could swap.
+    has_master_params: ClassVar[bool] = False
+
+    @abstractmethod
+    def matches(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether this adapter serves ``optimizer``."""
+
+    def validate(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027
+        """Raise for flags of ``optimizer``'s groups that the swap cannot honour.
+
+        Called at install and again at every step, so groups added later are checked too.
+        """
+
+    @abstractmethod
+    def state_keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
+        """The swappable state entries for parameters of ``group``, in layout order."""
+
+    def init_state(  # noqa: B027
+        self,
+        group: MutableMapping[str, Any],
+        param: torch.Tensor,
+        state: MutableMapping[str, Any],
+        make: StateFactory,
+    ) -> None:
+        """Create the state of ``param`` before its first update, as the family would.
+
+        Called only while ``state`` is empty. Use ``make(key, like)`` for every tensor that
+        could be swapped so it starts in host memory. Families that create state inside
+        their update (SGD's momentum) leave this alone; the engine adopts what the update
+        creates.
+        """
+
+    @abstractmethod
+    def update(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group: MutableMapping[str, Any],
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        states: Sequence[MutableMapping[str, Any]],
+    ) -> None:
+        """Update ``params`` of one group in place from ``grads``.
+
+        ``states[i]`` is a working copy of ``optimizer.state[params[i]]`` whose swapped
+        entries are device tensors. Update them in place; entries the update creates or
+        replaces are written into the working copy and the engine stores them.
+        """

@@ -1,0 +1,188 @@
+"""Public entry points: install, remove and inspect the optimizer-state swap."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pluggy
+import torch
+
+from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._engine import SwapEngine, engine_of
+from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._plugins import get_plugin_manager, optimizer_adapters, runtime_classes
+from swapopt_core._runtime import TransferRuntime
+from swapopt_core._state import local_tensor
+from swapopt_core._stats import SwapStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["is_swap_optimizer", "swap_optimizer", "swap_stats", "unswap_optimizer"]
+
+_warned_cpu_auto = False
+
+
+def _param_devices(optimizer: torch.optim.Optimizer) -> set[torch.device]:
+    return {
+        local_tensor(p).device for group in optimizer.param_groups for p in group["params"]
+    }
+
+
+def _pick_runtime(
+    optimizer: torch.optim.Optimizer, config: SwapOptimizerConfig, manager: pluggy.PluginManager
+) -> TransferRuntime | None:
+    runtimes = runtime_classes(manager)
+    if config.runtime != "auto":
+        chosen = runtimes.get(config.runtime)
+        if chosen is None:
+            raise ValueError(
+                f"SwapOptimizerConfig.runtime={config.runtime!r} is not a registered runtime. "
+                f"Choose one of {sorted(['auto', *runtimes])}, or register a plugin that "
+                "provides it (swapopt_register_runtimes)."
+            )
+        return chosen()
+    types = {device.type for device in _param_devices(optimizer)}
+    matching = {
+        name: cls for name, cls in runtimes.items() if set(cls.device_types) & types
+    }
+    if len(matching) > 1:
+        raise SwapOptError(
+            f"runtime='auto' is ambiguous for parameters on {sorted(types)}: runtimes "
+            f"{sorted(matching)} all apply. Name one in SwapOptimizerConfig.runtime."
+        )
+    if not matching:
+        return None
+    return next(iter(matching.values()))()
+
+
+def swap_optimizer(
+    optimizer: torch.optim.Optimizer,
+    config: SwapOptimizerConfig | None = None,
+    *,
+    plugin_manager: pluggy.PluginManager | None = None,
+) -> torch.optim.Optimizer:
+    """Keep ``optimizer``'s state in host memory and pipeline its step; installed in place.
+
+    The optimizer object keeps its identity, so LR schedulers, gradient scalers, closures
+    and the frameworks' optimizer wrappers created before or after keep working. Its state
+    entries that are swapped become host tensors between steps; ``state_dict()`` is the
+    standard format and loads into the same optimizer without swapopt.
+
+    Args:
+        optimizer: A ``torch.optim.Optimizer`` of a family some plugin serves (built in:
+            ``torch.optim.Adam`` and ``torch.optim.AdamW``).
+        config: How to swap. Default: ``SwapOptimizerConfig()``.
+        plugin_manager: Where to look up runtimes and optimizer families. Default: the
+            process-wide ``get_plugin_manager()``.
+
+    Returns:
+        ``optimizer`` itself.
+
+    Raises:
+        TypeError: ``optimizer`` is not a torch optimizer, or ``config`` is not a
+            ``SwapOptimizerConfig``.
+        ValueError: A config value does not fit this optimizer or no runtime has its name.
+        SwapOptError: The optimizer family, one of its flags or the state layout is not
+            supported, or the optimizer is already swapped with another config.
+
+    Example:
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> assert swap_optimizer(opt, SwapOptimizerConfig(swap_times=8)) is opt
+    """
+    global _warned_cpu_auto
+    config = SwapOptimizerConfig() if config is None else config
+    if not isinstance(config, SwapOptimizerConfig):
+        raise TypeError(f"config must be a SwapOptimizerConfig, got {type(config).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"swap_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}. "
+            "Pass the optimizer itself, not a framework wrapper (e.g. use "
+            "lightning_optimizer.optimizer or accelerated_optimizer.optimizer)."
+        )
+    existing = engine_of(optimizer)
+    if existing is not None:
+        if existing.config == config:
+            return optimizer
+        raise SwapOptError(
+            f"{type(optimizer).__name__} is already swapped with {existing.config}. "
+            "Call unswap_optimizer(optimizer) before installing another config."
+        )
+    manager = get_plugin_manager() if plugin_manager is None else plugin_manager
+    adapters = optimizer_adapters(manager)
+    adapter = next((a for a in adapters if a.matches(optimizer)), None)
+    if adapter is None:
+        families = sorted({a.family for a in adapters})
+        raise SwapOptError(
+            f"swapopt cannot swap {type(optimizer).__module__}.{type(optimizer).__qualname__}. "
+            f"Supported optimizer families: {', '.join(families)}. A plugin adds a family by "
+            "implementing swapopt_register_optimizer_adapters (see docs/plugins.md)."
+        )
+    if config.state_keys is not None:
+        unknown = [k for k in config.state_keys if k not in adapter.state_key_names]
+        if unknown:
+            raise ValueError(
+                f"SwapOptimizerConfig.state_keys has {unknown} that {adapter.family} does not "
+                f"keep. Choose from {list(adapter.state_key_names)}, or None for all."
+            )
+    if config.include_master_params and not adapter.has_master_params:
+        raise ValueError(
+            f"SwapOptimizerConfig.include_master_params=True, but {adapter.family} keeps no "
+            "master weights. Leave include_master_params=False."
+        )
+    adapter.validate(optimizer)
+    runtime = _pick_runtime(optimizer, config, manager)
+    if runtime is None:
+        if not _warned_cpu_auto:
+            _warned_cpu_auto = True
+            warnings.warn(
+                "swap_optimizer(runtime='auto') found no accelerator for the parameters "
+                f"(devices: {sorted(str(d) for d in _param_devices(optimizer))}), so nothing "
+                "is swapped. Use runtime='loopback' to exercise the swap on CPU.",
+                SwapOptWarning,
+                stacklevel=2,
+            )
+        return optimizer
+    engine = SwapEngine(optimizer, config, adapter, runtime, manager)
+    engine.install()
+    logger.info(
+        "swapopt installed on %s: runtime=%s packed=%s swap_times=%d, %d state tensors swapped",
+        type(optimizer).__name__, runtime.name, engine.staging.packed, config.swap_times,
+        len(engine.slots),
+    )
+    manager.hook.swapopt_on_install(optimizer=optimizer, config=config)
+    return optimizer
+
+
+def is_swap_optimizer(optimizer: object) -> bool:
+    """Whether ``swap_optimizer`` is installed on ``optimizer``."""
+    return engine_of(optimizer) is not None
+
+
+def unswap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Move the swapped state back to the device and remove the swap.
+
+    Returns:
+        ``optimizer``, now a plain optimizer again. A no-op if it was not swapped.
+    """
+    engine = engine_of(optimizer)
+    if engine is None:
+        return optimizer
+    engine.remove()
+    engine.plugin_manager.hook.swapopt_on_uninstall(optimizer=optimizer)
+    return optimizer
+
+
+def swap_stats(optimizer: torch.optim.Optimizer) -> SwapStats:
+    """Memory and traffic of a swapped optimizer.
+
+    Raises:
+        ValueError: ``optimizer`` is not swapped.
+    """
+    engine = engine_of(optimizer)
+    if engine is None:
+        raise ValueError(
+            f"{type(optimizer).__name__} is not swapped; call swap_optimizer(optimizer) first "
+            "(with runtime='auto' on CPU-only parameters nothing is installed)."
+        )
+    return engine.stats()

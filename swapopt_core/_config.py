@@ -1,0 +1,109 @@
+"""Frozen, validated configuration of the optimizer-state swap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SwapOptimizerConfig"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SwapOptimizerConfig:
+    """How an optimizer's state is kept in host memory and streamed through the step.
+
+    Args:
+        swap_times: Number of byte-balanced batches the step is pipelined over. While batch
+            ``i`` is updated, batch ``i + 1`` is copied in and batch ``i - 1`` copied out, so
+            about ``2 / swap_times`` of the state is on the device at any moment. Clamped to
+            the number of parameters being stepped. Default: 16.
+        state_keys: Names of the state entries to swap (for Adam/AdamW any of ``exp_avg``,
+            ``exp_avg_sq``, ``max_exp_avg_sq``). ``None`` swaps every key the optimizer
+            family declares. Keys the family does not own are rejected at install.
+            Default: None.
+        min_numel: State tensors with fewer elements stay on the device; tiny tensors cost
+            more in copy latency than they save. ``0`` swaps everything. Default: 1024.
+        include_master_params: Also swap optimizer-owned fp32 master weights, for families
+            that keep them (MindFormers AdamW). Families without master weights reject
+            ``True``. Default: False.
+        packed_swap: ``True`` keeps all swapped state in one exact-size host buffer per dtype
+            and moves each batch with one copy per dtype through two reusable device arenas;
+            ``False`` gives every state tensor its own host mirror and device storage.
+            ``None`` takes the runtime's default (packed for torch runtimes). Default: None.
+        runtime: Transfer runtime by name. ``"auto"`` picks the runtime registered for the
+            device the states live on (CUDA for CUDA tensors; CPU-only states are not
+            swapped). ``"loopback"`` treats CPU tensors as the device and a separate CPU
+            buffer as the host, so the whole engine runs without an accelerator. Plugins may
+            register more names. Default: "auto".
+
+    Raises:
+        TypeError: A field has the wrong type.
+        ValueError: A field is out of range.
+    """
+
+    swap_times: int = 16
+    state_keys: tuple[str, ...] | None = None
+    min_numel: int = 1024
+    include_master_params: bool = False
+    packed_swap: bool | None = None
+    runtime: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.swap_times):
+            raise TypeError(
+                f"SwapOptimizerConfig.swap_times must be an int, got {self.swap_times!r}. "
+                "Pass the number of pipeline batches, e.g. swap_times=8."
+            )
+        if self.swap_times < 1:
+            raise ValueError(
+                f"SwapOptimizerConfig.swap_times must be at least 1, got {self.swap_times}. "
+                "Use 1 to move all state in one batch, or more to lower the device peak."
+            )
+        if not _is_int(self.min_numel):
+            raise TypeError(
+                f"SwapOptimizerConfig.min_numel must be an int, got {self.min_numel!r}."
+            )
+        if self.min_numel < 0:
+            raise ValueError(
+                f"SwapOptimizerConfig.min_numel must be >= 0, got {self.min_numel}. "
+                "Use 0 to swap every state tensor."
+            )
+        if self.state_keys is not None:
+            keys = (self.state_keys,) if isinstance(self.state_keys, str) else self.state_keys
+            try:
+                keys = tuple(keys)
+            except TypeError:
+                raise TypeError(
+                    "SwapOptimizerConfig.state_keys must be None or a sequence of state names, "
+                    f"got {self.state_keys!r}."
+                ) from None
+            bad = [k for k in keys if not isinstance(k, str) or not k]
+            if bad or not keys:
+                raise ValueError(
+                    "SwapOptimizerConfig.state_keys must name at least one state entry, "
+                    f"got {self.state_keys!r}. Use None to swap every key the optimizer owns."
+                )
+            if len(set(keys)) != len(keys):
+                raise ValueError(
+                    f"SwapOptimizerConfig.state_keys lists a key twice: {keys!r}."
+                )
+            object.__setattr__(self, "state_keys", keys)
+        for name in ("include_master_params",):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"SwapOptimizerConfig.{name} must be True or False, "
+                    f"got {getattr(self, name)!r}."
+                )
+        if self.packed_swap is not None and not isinstance(self.packed_swap, bool):
+            raise TypeError(
+                f"SwapOptimizerConfig.packed_swap must be True, False or None, "
+                f"got {self.packed_swap!r}. None takes the runtime's default."
+            )
+        if not isinstance(self.runtime, str) or not self.runtime.strip():
+            raise ValueError(
+                f"SwapOptimizerConfig.runtime must be a runtime name, got {self.runtime!r}. "
+                "Use 'auto', 'cuda' or 'loopback' (plugins may add more)."
+            )

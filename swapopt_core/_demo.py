@@ -1,0 +1,331 @@
+"""The ``swapopt demo`` job: train a tiny GPT twice and compare plain and swapped AdamW.
+
+Both runs start from the same weights and see the same synthetic batches; the only difference is
+that the second run's optimizer has the swap pipeline installed. The demo then reports whether the
+two runs ended bit for bit equal, and what the swap cost and saved.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from torch import nn
+
+from swapopt_core import SwapOptimizerConfig, SwapStats, swap_optimizer, swap_stats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """Settings of one demo run.
+
+    Attributes:
+        steps: Optimizer steps per run.
+        swap_times: Number of batches the swapped optimizer's step is pipelined over.
+        packed: Packed (True) or per-tensor (False) swap; None keeps the backend default.
+        device: Torch device string; None picks CUDA when available, else CPU.
+        seed: Seed of the initial weights and of the synthetic data.
+        layers: Number of transformer blocks.
+        width: Embedding width (a multiple of ``heads``).
+        heads: Attention heads per block.
+        vocab: Vocabulary size of the synthetic token stream.
+        seq_len: Tokens per training sequence.
+        batch_size: Sequences per batch.
+        lr: AdamW learning rate.
+    """
+
+    steps: int = 40
+    swap_times: int = 4
+    packed: bool | None = None
+    device: str | None = None
+    seed: int = 0
+    layers: int = 4
+    width: int = 256
+    heads: int = 4
+    vocab: int = 512
+    seq_len: int = 64
+    batch_size: int = 8
+    lr: float = 3e-3
+
+
+@dataclass
+class RunResult:
+    """What one training run measured."""
+
+    first_loss: float
+    final_loss: float
+    step_seconds: list[float]
+    state_bytes: int
+    params: list[torch.Tensor]
+    stats: SwapStats | None = None
+    cuda_peak_bytes: int | None = None
+
+
+@dataclass
+class DemoReport:
+    """Both runs of the demo, side by side."""
+
+    options: DemoOptions
+    device: torch.device
+    runtime: str
+    num_params: int
+    plain: RunResult
+    swapped: RunResult
+
+    @property
+    def identical(self) -> bool:
+        """Whether every final parameter of the two runs is bit-identical."""
+        return len(self.plain.params) == len(self.swapped.params) and all(
+            torch.equal(a, b) for a, b in zip(self.plain.params, self.swapped.params)
+        )
+
+
+class _Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then a GELU MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        qkv = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, width // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        # Attention written out by hand: fused SDPA kernels may be non-deterministic in backward.
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(width // self.heads)
+        future = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
+        weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        x = x + self.proj((weights @ v).transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(self.norm2(x))
+
+
+class _TinyGPT(nn.Module):
+    """A small GPT-style decoder with learned positions and an untied output head."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, max_len: int) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not a multiple of heads {heads}")
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(max_len, width)
+        self.blocks = nn.ModuleList(_Block(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def make_batches(options: DemoOptions, count: int) -> torch.Tensor:
+    """Builds ``count`` batches of a noisy repeating token pattern, deterministically.
+
+    Every sequence walks a fixed random cycle of tokens from a random starting point; one token
+    in ten is replaced by a random one, so the model can learn the cycle but not the noise.
+
+    Returns:
+        An int64 CPU tensor of shape ``(count, batch_size, seq_len + 1)``.
+    """
+    gen = torch.Generator().manual_seed(options.seed + 1)
+    cycle = torch.randperm(options.vocab, generator=gen)[: min(options.vocab, 37)]
+    shape = (count, options.batch_size)
+    starts = torch.randint(len(cycle), shape + (1,), generator=gen)
+    tokens = cycle[(starts + torch.arange(options.seq_len + 1)) % len(cycle)]
+    noise = torch.randint(options.vocab, tokens.shape, generator=gen)
+    return torch.where(torch.rand(tokens.shape, generator=gen) < 0.1, noise, tokens)
+
+
+def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of all non-scalar tensors in the optimizer state (what a plain optimizer keeps)."""
+    return sum(
+        value.numel() * value.element_size()
+        for state in opt.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train(
+    template: nn.Module,
+    batches: torch.Tensor,
+    eval_batch: torch.Tensor,
+    config: SwapOptimizerConfig | None,
+    options: DemoOptions,
+    device: torch.device,
+    progress: Progress,
+) -> RunResult:
+    """Trains a copy of ``template``; with a ``config`` its AdamW runs swapped."""
+    model = copy.deepcopy(template).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.1)
+    if config is not None:
+        swap_optimizer(opt, config)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    label = "swapped AdamW" if config is not None else "plain AdamW"
+    task = progress.add_task(label, total=len(batches), loss=float("nan"))
+    first_loss, step_seconds, state_bytes = float("nan"), [], 0
+    for step, batch in enumerate(batches):
+        loss = _loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        _sync(device)
+        start = time.perf_counter()
+        opt.step()
+        _sync(device)
+        step_seconds.append(time.perf_counter() - start)
+        state_bytes = max(state_bytes, _state_bytes(opt))
+        value = loss.item()
+        first_loss = value if step == 0 else first_loss
+        progress.update(task, advance=1, loss=value)
+    with torch.no_grad():
+        final_loss = _loss(model, eval_batch).item()
+    return RunResult(
+        first_loss=first_loss,
+        final_loss=final_loss,
+        step_seconds=step_seconds,
+        state_bytes=state_bytes,
+        params=[p.detach().cpu().clone() for p in model.parameters()],
+        stats=swap_stats(opt) if config is not None else None,
+        cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    )
+
+
+def run_demo(options: DemoOptions, console: Console | None = None) -> DemoReport:
+    """Trains the tiny GPT with plain AdamW, then with swapped AdamW, from identical starts.
+
+    Args:
+        options: Model, data and swap settings.
+        console: Where the progress bar goes; a default console when None. The bar is shown
+            only on a terminal.
+
+    Returns:
+        Both runs' measurements.
+    """
+    device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    runtime = "loopback" if device.type == "cpu" else "auto"
+    config = SwapOptimizerConfig(
+        swap_times=options.swap_times, packed_swap=options.packed, runtime=runtime
+    )
+    with torch.random.fork_rng(devices=[]):  # seed the weights without touching global state
+        torch.manual_seed(options.seed)
+        template = _TinyGPT(
+            options.vocab, options.width, options.layers, options.heads, options.seq_len
+        )
+    num_params = sum(p.numel() for p in template.parameters())
+    data = make_batches(options, options.steps + 1).to(device)
+    batches, eval_batch = data[:-1], data[-1]
+    logger.info(
+        "demo: %d parameters on %s, %d steps, runtime %s", num_params, device, options.steps, runtime
+    )
+    console = console or Console()
+    columns = (
+        TextColumn("{task.description:>14}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
+        plain = _train(template, batches, eval_batch, None, options, device, progress)
+        swapped = _train(template, batches, eval_batch, config, options, device, progress)
+    return DemoReport(options, device, runtime, num_params, plain, swapped)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.2f} MiB"
+
+
+def _ratio(numerator: float, denominator: float) -> str:
+    return f"{numerator / denominator:.2f}x" if denominator else "n/a"
+
+
+def render_report(report: DemoReport) -> Table:
+    """Lays the two runs out as a rich table, plain AdamW next to swapped AdamW."""
+    opts, plain, swapped = report.options, report.plain, report.swapped
+    stats = swapped.stats
+    assert stats is not None, "the swapped run always records swap stats"
+    mode = {None: "backend default", True: "packed", False: "per-tensor"}[opts.packed]
+    table = Table(
+        title=(
+            f"swapopt demo: TinyGPT {report.num_params / 1e6:.2f}M params, {opts.steps} steps on "
+            f"{report.device} (runtime {report.runtime}, swap_times {opts.swap_times}, {mode})"
+        )
+    )
+    for name, justify in (("", "left"), ("plain AdamW", "right"), ("swapped AdamW", "right")):
+        table.add_column(name, justify=justify)
+    table.add_column("comparison", justify="left")
+    same_loss = plain.final_loss == swapped.final_loss
+    table.add_row("loss at step 1", f"{plain.first_loss:.6f}", f"{swapped.first_loss:.6f}", "")
+    table.add_row(
+        "final loss",
+        f"{plain.final_loss:.6f}",
+        f"{swapped.final_loss:.6f}",
+        "equal" if same_loss else "DIFFERENT",
+    )
+    table.add_row(
+        "final parameters", "", "", "bit-identical" if report.identical else "NOT bit-identical"
+    )
+    # States below min_numel are not swapped; they stay resident in both runs.
+    resident_rest = max(plain.state_bytes - stats.total_state_bytes, 0)
+    swapped_peak = stats.peak_resident_state_bytes + resident_rest
+    table.add_row(
+        "peak device optimizer state",
+        _mib(plain.state_bytes),
+        _mib(swapped_peak),
+        f"{_ratio(swapped_peak, plain.state_bytes)} of plain",
+    )
+    if plain.cuda_peak_bytes is not None and swapped.cuda_peak_bytes is not None:
+        table.add_row(
+            "peak CUDA memory allocated",
+            _mib(plain.cuda_peak_bytes),
+            _mib(swapped.cuda_peak_bytes),
+            f"{_ratio(swapped.cuda_peak_bytes, plain.cuda_peak_bytes)} of plain",
+        )
+    table.add_row(
+        "host optimizer state", _mib(0), _mib(stats.host_state_bytes),
+        f"pinned {_mib(stats.pinned_host_bytes)}",
+    )
+    per_step = max(stats.steps, 1)
+    table.add_row(
+        "moved host->device", _mib(0), _mib(stats.h2d_bytes), f"{_mib(stats.h2d_bytes // per_step)}/step"
+    )
+    table.add_row(
+        "moved device->host", _mib(0), _mib(stats.d2h_bytes), f"{_mib(stats.d2h_bytes // per_step)}/step"
+    )
+    plain_ms = statistics.median(plain.step_seconds) * 1e3
+    swapped_ms = statistics.median(swapped.step_seconds) * 1e3
+    table.add_row(
+        "median optimizer.step()",
+        f"{plain_ms:.2f} ms",
+        f"{swapped_ms:.2f} ms",
+        f"{_ratio(swapped_ms, plain_ms)} (swapped/plain)",
+    )
+    return table

@@ -1,0 +1,406 @@
+"""The swap engine installed on one optimizer: hooks, state bookkeeping and the step."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, defaultdict
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+import torch
+
+from swapopt_core._adapter import OptimizerAdapter
+from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._errors import SwapOptError
+from swapopt_core._partition import partition
+from swapopt_core._pipeline import run_pipeline
+from swapopt_core._runtime import TransferRuntime
+from swapopt_core._staging import PackedStaging, PerTensorStaging, Residency
+from swapopt_core._state import Slot, local_tensor, wrap_like
+from swapopt_core._stats import SwapStats
+
+logger = logging.getLogger(__name__)
+
+ENGINE_ATTR = "_swapopt_engine"
+
+
+@dataclass(eq=False)
+class _Unit:
+    """One parameter taking part in a step, with its swapped slots."""
+
+    group: int
+    param: torch.Tensor
+    grad: torch.Tensor
+    slots: list[Slot] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.nbytes for slot in self.slots)
+
+
+class SwapEngine:
+    """Keeps an optimizer's swappable state in host memory and runs its step as a pipeline.
+
+    Installed through the optimizer's own hooks, so the object keeps its identity: a step
+    pre-hook hands the original ``step`` a hollow stand-in (it still runs the closure and
+    returns the loss, but owns no parameters), and a step post-hook runs the pipeline.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: SwapOptimizerConfig,
+        adapter: OptimizerAdapter,
+        runtime: TransferRuntime,
+        plugin_manager: pluggy.PluginManager,
+    ) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.adapter = adapter
+        self.runtime = runtime
+        self.plugin_manager = plugin_manager
+        self.residency = Residency()
+        packed = runtime.packed_default if config.packed_swap is None else config.packed_swap
+        self.staging: PackedStaging | PerTensorStaging = (
+            PackedStaging(runtime, self.residency)
+            if packed
+            else PerTensorStaging(runtime, self.residency)
+        )
+        self.slots: dict[tuple[int, str], Slot] = {}
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        self.steps = 0
+        self.last_batches = 0
+        self._handles: list[Any] = []
+        self._pending_load: dict[tuple[int, str], torch.Tensor] = {}
+        # Units finished by a step that was then interrupted, with the grad they used.
+        self._finished: dict[int, tuple[torch.Tensor, int]] = {}
+        self._hollow = self._make_hollow(optimizer)
+
+    # ---- install / remove ----------------------------------------------------------------
+
+    @staticmethod
+    def _make_hollow(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        hollow = object.__new__(type(optimizer))
+        hollow.__dict__.update(
+            defaults=optimizer.defaults,
+            param_groups=[],
+            state=defaultdict(dict),
+            _warned_capturable_if_run_uncaptured=True,
+            _optimizer_step_pre_hooks=OrderedDict(),
+            _optimizer_step_post_hooks=OrderedDict(),
+        )
+        return hollow
+
+    def install(self) -> None:
+        opt = self.optimizer
+        self._handles = [
+            opt.register_step_pre_hook(self._pre_step),
+            opt.register_step_post_hook(self._post_step),
+            opt.register_state_dict_pre_hook(self._before_state_dict),
+            opt.register_load_state_dict_pre_hook(self._before_load),
+            opt.register_load_state_dict_post_hook(self._after_load),
+        ]
+        # Run before post-hooks the user registered earlier: they expect an updated model.
+        opt._optimizer_step_post_hooks.move_to_end(self._handles[1].id, last=False)
+        setattr(opt, ENGINE_ATTR, self)
+        # Offload state that exists already, so it is not resident through forward/backward.
+        self.adapter.validate(opt)
+        self.sync_state()
+
+    def remove(self) -> None:
+        """Move every swapped state back to its device and remove the hooks."""
+        self.runtime.synchronize()
+        for slot in self.slots.values():
+            local = torch.empty_like(slot.host, device=slot.device)
+            local.copy_(slot.host)
+            self.optimizer.state[slot.param][slot.key] = wrap_like(local, slot.value)
+        self.slots.clear()
+        self.staging = PerTensorStaging(self.runtime, self.residency)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        delattr(self.optimizer, ENGINE_ATTR)
+
+    # ---- state bookkeeping ---------------------------------------------------------------
+
+    def _keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
+        keys = self.adapter.state_keys(group)
+        wanted = self.config.state_keys
+        return keys if wanted is None else tuple(k for k in keys if k in wanted)
+
+    def _swappable(self, param: torch.Tensor, value: object) -> bool:
+        if not isinstance(value, torch.Tensor):
+            return False
+        local = local_tensor(value)
+        return (
+            local.is_floating_point()
+            and local.layout == torch.strided
+            and local.is_contiguous()
+            and local.numel() >= self.config.min_numel
+            and self.runtime.accepts(local_tensor(param).device)
+        )
+
+    def _new_host(self, like: torch.Tensor) -> torch.Tensor:
+        if self.staging.packed:
+            # Packed mode copies it into the packed buffer before the step: no pinning.
+            return torch.empty(like.shape, dtype=like.dtype)
+        return self.runtime.alloc_host(like.numel(), like.dtype).view(like.shape)
+
+    def _adopt(self, param: torch.Tensor, key: str, value: torch.Tensor) -> Slot:
+        """Take ``value`` into host memory and make it the state entry."""
+        local = local_tensor(value)
+        host = self._new_host(local)
+        host.copy_(local)
+        slot = Slot(param, key, host, wrap_like(host, value), local_tensor(param).device)
+        self.optimizer.state[param][key] = slot.value
+        self.slots[(id(param), key)] = slot
+        return slot
+
+    def _slot(self, param: torch.Tensor, key: str, state: MutableMapping[str, Any]) -> Slot | None:
+        value = state.get(key)
+        slot = self.slots.get((id(param), key))
+        if slot is not None and slot.value is value:
+            return slot
+        if not self._swappable(param, value):
+            self.slots.pop((id(param), key), None)
+            return None
+        return self._adopt(param, key, value)
+
+    def _make_state(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        local = local_tensor(like)
+        zeros = torch.zeros_like(like, memory_format=torch.preserve_format)
+        if key not in self._current_keys or not self._swappable(like, zeros):
+            return zeros
+        host = self._new_host(local)
+        host.zero_()
+        return wrap_like(host, like)
+
+    def sync_state(self, *, stepping: bool = False) -> list[_Unit]:
+        """Bring ``optimizer.state`` in line with the slots; return the units to step.
+
+        Any swappable entry that is not one of our host tensors (state created before
+        install, loaded by a framework, or moved back to the device) is taken into host
+        memory here. With ``stepping``, lazily initialises the state of parameters about to
+        be stepped.
+        """
+        opt = self.optimizer
+        units: list[_Unit] = []
+        ordered: list[Slot] = []
+        live: set[tuple[int, str]] = set()
+        for index, group in enumerate(opt.param_groups):
+            keys = self._current_keys = self._keys(group)
+            for param in group["params"]:
+                grad = param.grad if stepping else None
+                state = opt.state.get(param)
+                if grad is not None and not state:
+                    state = opt.state[param]
+                    self.adapter.init_state(group, param, state, self._make_state)
+                slots = []
+                for key in keys if state else ():
+                    slot = self._slot(param, key, state)
+                    if slot is not None:
+                        slots.append(slot)
+                        live.add((id(param), key))
+                ordered.extend(slots)
+                if grad is not None:
+                    units.append(_Unit(index, param, grad, slots))
+        for stale in self.slots.keys() - live:
+            del self.slots[stale]
+        if isinstance(self.staging, PackedStaging):
+            self.staging.layout(ordered, self._publish)
+        return units
+
+    def _publish(self, slot: Slot) -> None:
+        self.optimizer.state[slot.param][slot.key] = slot.value
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def _pre_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple:
+        # The original step runs on a stand-in without parameters: it only runs the closure.
+        return (self._hollow, *args[1:]), kwargs
+
+    def _post_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.step()
+
+    def _check_grads(self) -> None:
+        for index, group in enumerate(self.optimizer.param_groups):
+            for position, param in enumerate(group["params"]):
+                if param.grad is not None and param.grad.layout != torch.strided:
+                    raise SwapOptError(
+                        f"param_groups[{index}]['params'][{position}] has a {param.grad.layout} "
+                        f"gradient; {self.adapter.family} under swapopt needs dense gradients. "
+                        "Use a dense embedding (sparse=False) or a sparse optimizer unswapped."
+                    )
+
+    def step(self) -> None:
+        """Run one swapped update of every parameter that has a gradient."""
+        opt = self.optimizer
+        self.adapter.validate(opt)
+        self._check_grads()
+        with torch.no_grad():
+            units = self.sync_state(stepping=True)
+            units = [u for u in units if not self._already_done(u)]
+            runs = partition([u.nbytes for u in units], self.config.swap_times)
+            batches = [[units[k] for k in run] for run in runs]
+            done: dict[int, tuple[torch.Tensor, int]] = {}
+
+            def update(i: int, views: dict[Slot, torch.Tensor]) -> None:
+                self._update_batch(batches[i], views)
+                for unit in batches[i]:
+                    done[id(unit.param)] = (unit.grad, unit.grad._version)
+
+            try:
+                h2d, d2h = run_pipeline(
+                    [[s for u in b for s in u.slots] for b in batches],
+                    self.staging, self.runtime, update,
+                )
+            except BaseException:
+                self._finished.update(done)
+                raise
+        self._finished.clear()
+        self.h2d_bytes += h2d
+        self.d2h_bytes += d2h
+        self.steps += 1
+        self.last_batches = len(batches)
+        self.plugin_manager.hook.swapopt_after_step(optimizer=opt, stats=self.stats())
+
+    def _already_done(self, unit: _Unit) -> bool:
+        record = self._finished.get(id(unit.param))
+        return record is not None and record[0] is unit.grad and record[1] == unit.grad._version
+
+    def _update_batch(self, units: list[_Unit], views: dict[Slot, torch.Tensor]) -> None:
+        opt = self.optimizer
+        by_group: dict[int, list[_Unit]] = {}
+        for unit in units:
+            by_group.setdefault(unit.group, []).append(unit)
+        for index, members in by_group.items():
+            group = opt.param_groups[index]
+            keys = self._keys(group)
+            works = []
+            for unit in members:
+                work = {k: local_tensor(v) if isinstance(v, torch.Tensor) else v
+                        for k, v in opt.state[unit.param].items()}
+                for slot in unit.slots:
+                    work[slot.key] = views[slot]
+                works.append(work)
+            self.adapter.update(
+                opt, group,
+                [local_tensor(u.param) for u in members],
+                [local_tensor(u.grad) for u in members],
+                works,
+            )
+            for unit, work in zip(members, works, strict=True):
+                self._store(unit, work, keys, views)
+
+    def _store(self, unit: _Unit, work: dict, keys: tuple[str, ...], views: dict) -> None:
+        """Write back what the update created or replaced in its working copy of the state."""
+        state = self.optimizer.state[unit.param]
+        swapped = {slot.key: slot for slot in unit.slots}
+        for key, value in work.items():
+            slot = swapped.get(key)
+            if slot is not None:
+                if value is not views[slot]:
+                    views[slot].copy_(value)
+                continue
+            old = state.get(key)
+            if old is not None and (old is value or local_tensor(old) is value):
+                continue
+            if key in keys and self._swappable(unit.param, value):
+                # Created by the update (SGD momentum): take it to host memory right away.
+                self._adopt(unit.param, key, wrap_like(value, unit.param))
+            else:
+                like = old if isinstance(old, torch.Tensor) else unit.param
+                state[key] = wrap_like(value, like) if isinstance(value, torch.Tensor) else value
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def _before_state_dict(self, opt: torch.optim.Optimizer) -> None:
+        # state_dict() hands out the host tensors: no copy may still be writing them.
+        self.runtime.synchronize()
+
+    def _before_load(self, opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        """Keep swapped entries away from torch's loader, which would put them on the device."""
+        self.runtime.synchronize()
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        stripped = dict(saved_state)
+        self._pending_load = {}
+        if len(saved_groups) != len(opt.param_groups):
+            return state_dict  # torch's loader reports the mismatch
+        for saved, group in zip(saved_groups, opt.param_groups, strict=True):
+            keys = self._keys(saved)
+            for saved_id, param in zip(saved["params"], group["params"], strict=False):
+                entry = saved_state.get(saved_id)
+                if not isinstance(entry, dict):
+                    continue
+                moved = {k: v for k, v in entry.items() if k in keys and self._swappable(param, v)}
+                if moved:
+                    stripped[saved_id] = {k: v for k, v in entry.items() if k not in moved}
+                    for key, value in moved.items():
+                        self._pending_load[(id(param), key)] = value
+        return {**state_dict, "state": stripped}
+
+    def _after_load(self, opt: torch.optim.Optimizer) -> None:
+        pending, self._pending_load = self._pending_load, {}
+        self.slots.clear()
+        for group in opt.param_groups:
+            for param in group["params"]:
+                for key in self._keys(group):
+                    value = pending.get((id(param), key))
+                    if value is None:
+                        continue
+                    local = local_tensor(value)
+                    if local_tensor(param).is_floating_point():
+                        # Cast like torch's loader does, but to host memory, not the device.
+                        local = local.to(dtype=param.dtype)
+                    host = self._new_host(local)
+                    host.copy_(local)
+                    slot = Slot(param, key, host, wrap_like(host, _layout_source(value, param)),
+                                local_tensor(param).device)
+                    opt.state[param][key] = slot.value
+                    self.slots[(id(param), key)] = slot
+        with torch.no_grad():
+            self.sync_state()
+
+    # ---- reporting -----------------------------------------------------------------------
+
+    def stats(self) -> SwapStats:
+        slots = list(self.slots.values())
+        total = sum(slot.nbytes for slot in slots)
+        if isinstance(self.staging, PackedStaging) and self.staging.buffers:
+            host = sum(b.numel() * b.element_size() for b in self.staging.buffers.values())
+        else:
+            host = total
+        return SwapStats(
+            total_state_bytes=total,
+            resident_state_bytes=self.residency.current,
+            peak_resident_state_bytes=self.residency.peak,
+            host_state_bytes=host,
+            pinned_host_bytes=self.runtime.pinned_bytes,
+            h2d_bytes=self.h2d_bytes,
+            d2h_bytes=self.d2h_bytes,
+            steps=self.steps,
+            swapped_tensors=len(slots),
+            batches=self.last_batches,
+            packed=self.staging.packed,
+            runtime=self.runtime.name,
+        )
+
+
+def _layout_source(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Whose distributed layout a loaded state entry takes: its own, else its parameter's."""
+    if local_tensor(value) is not value:
+        return value
+    if local_tensor(param).shape == value.shape:
+        return param
+    return value
+
+
+def engine_of(optimizer: object) -> SwapEngine | None:
+    """The engine installed on ``optimizer``, if any."""
+    return getattr(optimizer, ENGINE_ATTR, None)
+
+

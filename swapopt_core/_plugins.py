@@ -1,0 +1,100 @@
+"""The plugin manager: built-ins first, then the ``swapopt`` entry-point group."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+import warnings
+
+import pluggy
+
+from swapopt_core._adapter import OptimizerAdapter
+from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._runtime import TransferRuntime
+from swapopt_core.builtin import DEFAULT_PLUGINS
+from swapopt_core.hookspecs import PROJECT, SwapOptSpecs
+
+logger = logging.getLogger(__name__)
+
+#: Entry-point group third-party plugins register under.
+ENTRY_POINT_GROUP = PROJECT
+#: Set to 1 to skip loading third-party plugins from entry points.
+DISABLE_AUTOLOAD_ENV = "SWAPOPT_DISABLE_PLUGIN_AUTOLOAD"
+
+__all__ = ["ENTRY_POINT_GROUP", "get_plugin_manager", "new_plugin_manager"]
+
+
+def new_plugin_manager(*, load_entrypoints: bool = True) -> pluggy.PluginManager:
+    """Build a fresh plugin manager with the built-in plugins registered.
+
+    Args:
+        load_entrypoints: Also load plugins from the ``swapopt`` entry-point group (skipped
+            when ``SWAPOPT_DISABLE_PLUGIN_AUTOLOAD=1``). A plugin that fails to import is
+            reported with a warning and left out, so a broken plugin never stops training.
+
+    Returns:
+        The manager, with every registered implementation validated against the specs.
+    """
+    manager = pluggy.PluginManager(PROJECT)
+    manager.add_hookspecs(SwapOptSpecs)
+    for dotted in DEFAULT_PLUGINS:
+        manager.register(importlib.import_module(dotted), name=dotted)
+    if load_entrypoints and os.environ.get(DISABLE_AUTOLOAD_ENV, "") not in ("1", "true"):
+        try:
+            manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        except Exception as error:  # noqa: BLE001 - a third-party plugin must not stop us
+            warnings.warn(
+                f"swapopt could not load a plugin from the '{ENTRY_POINT_GROUP}' entry points: "
+                f"{error!r}. Set {DISABLE_AUTOLOAD_ENV}=1 to skip third-party plugins.",
+                SwapOptWarning,
+                stacklevel=2,
+            )
+    manager.check_pending()
+    return manager
+
+
+@functools.cache
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager that ``swap_optimizer`` uses by default.
+
+    Register a plugin on it to make its runtimes and adapters available everywhere:
+    ``get_plugin_manager().register(my_plugin)``.
+    """
+    return new_plugin_manager()
+
+
+def runtime_classes(manager: pluggy.PluginManager) -> dict[str, type[TransferRuntime]]:
+    """Runtime classes by name; a name registered twice is an error naming both."""
+    found: dict[str, type[TransferRuntime]] = {}
+    for batch in manager.hook.swapopt_register_runtimes():
+        for runtime in batch:
+            if not (isinstance(runtime, type) and issubclass(runtime, TransferRuntime)):
+                raise SwapOptError(
+                    f"A plugin registered {runtime!r} as a runtime; swapopt_register_runtimes "
+                    "must return subclasses of swapopt_core.TransferRuntime."
+                )
+            other = found.get(runtime.name)
+            if other is not None and other is not runtime:
+                raise SwapOptError(
+                    f"Two plugins register a runtime named {runtime.name!r}: "
+                    f"{other.__module__}.{other.__qualname__} and "
+                    f"{runtime.__module__}.{runtime.__qualname__}. Unregister one of them."
+                )
+            found[runtime.name] = runtime
+    return found
+
+
+def optimizer_adapters(manager: pluggy.PluginManager) -> list[OptimizerAdapter]:
+    """Adapters in the order they are asked: later-registered plugins first."""
+    adapters: list[OptimizerAdapter] = []
+    for batch in manager.hook.swapopt_register_optimizer_adapters():
+        for adapter in batch:
+            if not isinstance(adapter, OptimizerAdapter):
+                raise SwapOptError(
+                    f"A plugin registered {adapter!r} as an optimizer adapter; "
+                    "swapopt_register_optimizer_adapters must return OptimizerAdapter instances."
+                )
+            adapters.append(adapter)
+    return adapters

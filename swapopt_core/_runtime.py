@@ -1,0 +1,80 @@
+"""The interface every transfer runtime implements: host buffers, device storage, copies."""
+
+from __future__ import annotations
+
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = ["CopyPair", "TransferRuntime"]
+
+#: A device tensor and its host counterpart of identical shape and dtype.
+CopyPair = tuple[torch.Tensor, torch.Tensor]
+
+
+class TransferRuntime(ABC):
+    """Moves optimizer state between host memory and one kind of device.
+
+    The engine calls these operations in a fixed order (see ``swapopt_core._pipeline``):
+    device storage is allocated and released in the order of the copy queue, copies in and
+    out return tickets, and the compute queue waits on a ticket before it touches the data.
+    A runtime may run everything synchronously (tickets are then ``None``).
+
+    Attributes:
+        pinned_bytes: Host bytes this runtime holds page-locked (or, for runtimes without
+            page locking, the bytes it set aside as the host tier).
+    """
+
+    #: Name selected by ``SwapOptimizerConfig.runtime``.
+    name: ClassVar[str]
+    #: Device types that ``runtime="auto"`` picks this runtime for.
+    device_types: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``packed_swap=None`` means packed for this runtime.
+    packed_default: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.pinned_bytes = 0
+
+    def _count_host(self, host: torch.Tensor) -> None:
+        """Count ``host`` in ``pinned_bytes`` until the tensor object is collected."""
+        nbytes = host.untyped_storage().nbytes()
+        self.pinned_bytes += nbytes
+        weakref.finalize(host, self._uncount_host, nbytes)
+
+    def _uncount_host(self, nbytes: int) -> None:
+        self.pinned_bytes -= nbytes
+
+    @abstractmethod
+    def accepts(self, device: torch.device) -> bool:
+        """Whether state living on ``device`` can be swapped by this runtime."""
+
+    @abstractmethod
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D host tensor of exactly ``numel`` elements, page-locked where possible."""
+
+    @abstractmethod
+    def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D uninitialised device tensor, allocated in copy-queue order."""
+
+    @abstractmethod
+    def release_device(self, tensor: torch.Tensor) -> None:
+        """Free ``tensor``'s device storage now; views of it become empty."""
+
+    @abstractmethod
+    def copy_in(self, pairs: Sequence[CopyPair]) -> Any:
+        """Queue host-to-device copies; return a ticket for ``wait``."""
+
+    @abstractmethod
+    def copy_out(self, pairs: Sequence[CopyPair]) -> Any:
+        """Queue device-to-host copies after all compute queued so far; return a ticket."""
+
+    @abstractmethod
+    def wait(self, ticket: Any) -> None:
+        """Make the compute queue wait for ``ticket`` (without blocking the host if possible)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until every copy queued so far has finished."""

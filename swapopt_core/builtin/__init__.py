@@ -1,0 +1,7 @@
+"""Built-in plugins, registered by ``get_plugin_manager`` like any third-party plugin."""
+
+DEFAULT_PLUGINS = (
+    "swapopt_core.builtin.loopback",
+    "swapopt_core.builtin.cuda",
+    "swapopt_core.builtin.torch_adam",
+)

@@ -1,0 +1,79 @@
+"""Every hook swapopt calls, and the markers plugins use to implement them.
+
+A plugin is any object (usually a module) with functions marked ``@swapopt_core.hookimpl``
+whose names match the specs below. Built-in runtimes and optimizer adapters are registered
+the same way, so a plugin can do anything a built-in does. Third-party plugins are found
+through the ``swapopt`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from swapopt_core._adapter import OptimizerAdapter
+    from swapopt_core._config import SwapOptimizerConfig
+    from swapopt_core._runtime import TransferRuntime
+    from swapopt_core._stats import SwapStats
+
+PROJECT = "swapopt"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+__all__ = ["PROJECT", "SwapOptSpecs", "hookimpl", "hookspec"]
+
+
+class SwapOptSpecs:
+    """Hook specifications. Every hook takes keyword arguments only."""
+
+    # ---- registration --------------------------------------------------------------------
+
+    @hookspec
+    def swapopt_register_runtimes(self) -> Iterable[type[TransferRuntime]]:
+        """Contribute transfer runtimes.
+
+        Called once per plugin manager. Each runtime class carries a unique ``name`` (what
+        ``SwapOptimizerConfig.runtime`` selects) and the ``device_types`` that
+        ``runtime="auto"`` picks it for.
+
+        Returns:
+            Runtime classes, subclasses of ``swapopt_core.TransferRuntime``.
+        """
+
+    @hookspec
+    def swapopt_register_optimizer_adapters(self) -> Iterable[OptimizerAdapter]:
+        """Contribute optimizer families that can be swapped.
+
+        Adapters from plugins registered later are asked first, so a plugin can take over a
+        family a built-in serves.
+
+        Returns:
+            Instances of ``swapopt_core.OptimizerAdapter`` subclasses.
+        """
+
+    # ---- lifecycle observers ---------------------------------------------------------------
+
+    @hookspec
+    def swapopt_on_install(
+        self, optimizer: torch.optim.Optimizer, config: SwapOptimizerConfig
+    ) -> None:
+        """Called after the swap was installed on ``optimizer`` and its state offloaded."""
+
+    @hookspec
+    def swapopt_after_step(self, optimizer: torch.optim.Optimizer, stats: SwapStats) -> None:
+        """Called after every swapped step, once its state is back in host memory.
+
+        ``stats`` is the optimizer's ``swap_stats`` snapshot after the step.
+        """
+
+    @hookspec
+    def swapopt_on_uninstall(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called after the swap was removed and the state moved back to the device."""
+
+

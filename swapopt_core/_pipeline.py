@@ -66,8 +66,8 @@ def run_pipeline(
         tickets[j] = runtime.copy_in(batch.pairs)
         h2d += batch.copy_bytes
 
-    staging.begin(batches)
     try:
+        staging.begin(batches)
         for j in range(min(2, n)):
             prefetch(j)
         for i in range(n):

@@ -165,12 +165,11 @@ class PackedStaging:
 
     def stage(self, index: int, slots: Sequence[Slot]) -> Staged:
         staged = Staged()
-        arena = self._arenas[index % 2] if self._arenas else None
         for dtype, (lo, hi) in self._regions[index].items():
             start, nbytes = self._sections[dtype]
-            assert arena is not None
-            section = arena.narrow(0, start, nbytes).view(dtype)
-            staged.pairs.append((section.narrow(0, 0, hi - lo), self.buffers[dtype].narrow(0, lo, hi - lo)))
+            section = self._arenas[index % 2].narrow(0, start, nbytes).view(dtype)
+            region = self.buffers[dtype].narrow(0, lo, hi - lo)
+            staged.pairs.append((section.narrow(0, 0, hi - lo), region))
             for slot in slots:
                 if slot.host.dtype == dtype:
                     view = section.narrow(0, slot.offset - lo, slot.host.numel())

@@ -1,0 +1,56 @@
+"""SwapOptimizerConfig validates every field with a message naming it, the value and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from swapopt_core import SwapOptimizerConfig
+
+
+def test_defaults_match_the_design() -> None:
+    config = SwapOptimizerConfig()
+    assert (config.swap_times, config.state_keys, config.min_numel) == (16, None, 1024)
+    assert (config.include_master_params, config.packed_swap, config.runtime) == (
+        False, None, "auto"
+    )
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SwapOptimizerConfig().swap_times = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"swap_times": 0}, ValueError, r"swap_times must be at least 1, got 0"),
+        ({"swap_times": -3}, ValueError, r"swap_times must be at least 1, got -3"),
+        ({"swap_times": 2.5}, TypeError, r"swap_times must be an int, got 2\.5"),
+        ({"swap_times": True}, TypeError, r"swap_times must be an int, got True"),
+        ({"min_numel": -1}, ValueError, r"min_numel must be >= 0, got -1.*Use 0"),
+        ({"min_numel": "8"}, TypeError, r"min_numel must be an int, got '8'"),
+        ({"state_keys": ()}, ValueError, r"state_keys must name at least one"),
+        ({"state_keys": ("exp_avg", "")}, ValueError, r"state_keys must name"),
+        ({"state_keys": ("exp_avg", "exp_avg")}, ValueError, r"state_keys lists a key twice"),
+        ({"state_keys": 3}, TypeError, r"state_keys must be None or a sequence"),
+        ({"include_master_params": 1}, TypeError, r"include_master_params must be True or False"),
+        ({"packed_swap": "yes"}, TypeError, r"packed_swap must be True, False or None, got 'yes'"),
+        ({"runtime": ""}, ValueError, r"runtime must be a runtime name, got ''.*'loopback'"),
+        ({"runtime": None}, ValueError, r"runtime must be a runtime name, got None"),
+    ],
+)
+def test_bad_values_are_rejected(kwargs: dict, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=rf"SwapOptimizerConfig\.{pattern}"):
+        SwapOptimizerConfig(**kwargs)
+
+
+def test_state_keys_are_normalised_to_a_tuple() -> None:
+    assert SwapOptimizerConfig(state_keys=["exp_avg"]).state_keys == ("exp_avg",)
+    assert SwapOptimizerConfig(state_keys="exp_avg_sq").state_keys == ("exp_avg_sq",)
+
+
+def test_prefetch_depth_is_not_a_knob() -> None:
+    with pytest.raises(TypeError):
+        SwapOptimizerConfig(prefetch_batches=2)  # type: ignore[call-arg]

@@ -72,7 +72,8 @@ def test_sparse_gradients_are_refused_before_anything_moves() -> None:
     opt = torch.optim.Adam(embedding.parameters())
     swap_optimizer(opt, LOOPBACK)
     embedding(torch.tensor([1, 2, 3])).sum().backward()
-    with pytest.raises(SwapOptError, match=r"param_groups\[0\]\['params'\]\[0\].*sparse_coo.*dense"):
+    pattern = r"param_groups\[0\]\['params'\]\[0\].*sparse_coo.*dense"
+    with pytest.raises(SwapOptError, match=pattern):
         opt.step()
     assert swap_stats(opt).h2d_bytes == 0
     assert not opt.state
@@ -87,7 +88,9 @@ def test_unknown_runtime_lists_the_registered_ones() -> None:
 def test_state_keys_the_family_does_not_keep() -> None:
     opt = torch.optim.Adam(_params())
     with pytest.raises(ValueError, match=r"state_keys has \['momentum_buffer'\].*'exp_avg'"):
-        swap_optimizer(opt, SwapOptimizerConfig(state_keys=("momentum_buffer",), runtime="loopback"))
+        swap_optimizer(
+            opt, SwapOptimizerConfig(state_keys=("momentum_buffer",), runtime="loopback")
+        )
 
 
 def test_master_params_on_a_family_without_them() -> None:

@@ -19,11 +19,11 @@ from swapopt_core import (
     SwapOptimizerConfig,
     TransferRuntime,
     hookimpl,
+    hookspecs,
     new_plugin_manager,
     swap_optimizer,
     swap_stats,
 )
-from swapopt_core import hookspecs
 
 
 class SgdMomentumAdapter(OptimizerAdapter):
@@ -136,7 +136,8 @@ def test_sgd_without_the_plugin_is_refused_with_the_supported_list(
     plugin_manager: pluggy.PluginManager,
 ) -> None:
     opt = torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9)
-    with pytest.raises(SwapOptError, match=r"torch\.optim\.Adam.*swapopt_register_optimizer_adapters"):
+    pattern = r"torch\.optim\.Adam.*swapopt_register_optimizer_adapters"
+    with pytest.raises(SwapOptError, match=pattern):
         swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback"), plugin_manager=plugin_manager)
 
 

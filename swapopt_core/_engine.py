@@ -135,11 +135,14 @@ class SwapEngine:
         if not isinstance(value, torch.Tensor):
             return False
         local = local_tensor(value)
+        return self._eligible(param, local.dtype, local.numel()) and (
+            local.layout == torch.strided and local.is_contiguous()
+        )
+
+    def _eligible(self, param: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
         return (
-            local.is_floating_point()
-            and local.layout == torch.strided
-            and local.is_contiguous()
-            and local.numel() >= self.config.min_numel
+            dtype.is_floating_point
+            and numel >= self.config.min_numel
             and self.runtime.accepts(local_tensor(param).device)
         )
 
@@ -171,12 +174,14 @@ class SwapEngine:
 
     def _make_state(self, key: str, like: torch.Tensor) -> torch.Tensor:
         local = local_tensor(like)
-        zeros = torch.zeros_like(like, memory_format=torch.preserve_format)
-        if key not in self._current_keys or not self._swappable(like, zeros):
-            return zeros
-        host = self._new_host(local)
-        host.zero_()
-        return wrap_like(host, like)
+        if key in self._current_keys and local.is_contiguous() and self._eligible(
+            like, local.dtype, local.numel()
+        ):
+            # Zeros straight into host memory: nothing is allocated on the device.
+            host = self._new_host(local)
+            host.zero_()
+            return wrap_like(host, like)
+        return torch.zeros_like(like, memory_format=torch.preserve_format)
 
     def sync_state(self, *, stepping: bool = False) -> list[_Unit]:
         """Bring ``optimizer.state`` in line with the slots; return the units to step.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import logging
 import os
 import warnings
@@ -42,17 +43,29 @@ def new_plugin_manager(*, load_entrypoints: bool = True) -> pluggy.PluginManager
     for dotted in DEFAULT_PLUGINS:
         manager.register(importlib.import_module(dotted), name=dotted)
     if load_entrypoints and os.environ.get(DISABLE_AUTOLOAD_ENV, "") not in ("1", "true"):
-        try:
-            manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-        except Exception as error:  # noqa: BLE001 - a third-party plugin must not stop us
-            warnings.warn(
-                f"swapopt could not load a plugin from the '{ENTRY_POINT_GROUP}' entry points: "
-                f"{error!r}. Set {DISABLE_AUTOLOAD_ENV}=1 to skip third-party plugins.",
-                SwapOptWarning,
-                stacklevel=2,
-            )
+        _load_entry_points(manager)
     manager.check_pending()
     return manager
+
+
+def _load_entry_points(manager: pluggy.PluginManager) -> None:
+    for distribution in importlib.metadata.distributions():
+        for entry_point in distribution.entry_points:
+            if entry_point.group != ENTRY_POINT_GROUP or manager.has_plugin(entry_point.name):
+                continue
+            try:
+                plugin = entry_point.load()
+            except Exception as error:  # noqa: BLE001 - a broken plugin must not stop training
+                warnings.warn(
+                    f"swapopt left out the plugin {entry_point.name!r} ({entry_point.value}): "
+                    f"it failed to load with {error!r}. Fix or uninstall it, or set "
+                    f"{DISABLE_AUTOLOAD_ENV}=1 to skip third-party plugins.",
+                    SwapOptWarning,
+                    stacklevel=3,
+                )
+                continue
+            manager.register(plugin, name=entry_point.name)
+            logger.debug("swapopt plugin %r loaded from %s", entry_point.name, entry_point.value)
 
 
 @functools.cache

@@ -39,10 +39,10 @@ class TransferRuntime(ABC):
         self.pinned_bytes = 0
 
     def _count_host(self, host: torch.Tensor) -> None:
-        """Count ``host`` in ``pinned_bytes`` until the tensor object is collected."""
-        nbytes = host.untyped_storage().nbytes()
-        self.pinned_bytes += nbytes
-        weakref.finalize(host, self._uncount_host, nbytes)
+        """Count ``host`` in ``pinned_bytes`` until its storage (and every view) is freed."""
+        storage = host.untyped_storage()
+        self.pinned_bytes += storage.nbytes()
+        weakref.finalize(storage, self._uncount_host, storage.nbytes())
 
     def _uncount_host(self, nbytes: int) -> None:
         self.pinned_bytes -= nbytes

@@ -251,3 +251,26 @@ def test_entry_points_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("SWAPOPT_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_FakeDistribution()])
     assert new_plugin_manager().get_plugin("sgd-plugin") is None
+
+
+class _BrokenEntryPoint:
+    name = "broken"
+    group = "swapopt"
+    value = "missing_module:plugin"
+
+    def load(self) -> object:
+        raise ImportError("No module named 'missing_module'")
+
+
+class _TwoPluginDistribution:
+    entry_points = (_BrokenEntryPoint(), _FakeEntryPoint())
+    metadata = {"name": "swapopt-mixed"}
+
+
+def test_a_broken_plugin_warns_and_the_others_still_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SWAPOPT_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_TwoPluginDistribution()])
+    with pytest.warns(swapopt_core.SwapOptWarning, match=r"'broken' \(missing_module:plugin\)"):
+        manager = new_plugin_manager()
+    assert manager.get_plugin("broken") is None
+    assert manager.get_plugin("sgd-plugin") is not None

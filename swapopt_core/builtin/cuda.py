@@ -50,7 +50,9 @@ class CudaRuntime(TransferRuntime):
             cudart = torch.cuda.cudart()
             error = cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
             if int(getattr(error, "value", error)) == 0:
-                weakref.finalize(host, cudart.cudaHostUnregister, host.data_ptr())
+                # Unregister only once the storage and every view of it are gone.
+                weakref.finalize(host.untyped_storage(), cudart.cudaHostUnregister,
+                                 host.data_ptr())
                 self._count_host(host)
             else:
                 self._register_failed = True

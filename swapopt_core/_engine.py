@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict, defaultdict
 from collections.abc import MutableMapping
@@ -172,15 +173,17 @@ class SwapEngine:
             return None
         return self._adopt(param, key, value)
 
-    def _make_state(self, key: str, like: torch.Tensor) -> torch.Tensor:
+    def _make_state(self, keys: tuple[str, ...], key: str, like: torch.Tensor) -> torch.Tensor:
+        """The ``make`` callback adapters create lazy state with (see ``StateFactory``)."""
         local = local_tensor(like)
-        if key in self._current_keys and local.is_contiguous() and self._eligible(
+        if key in keys and local.is_contiguous() and self._eligible(
             like, local.dtype, local.numel()
         ):
             # Zeros straight into host memory: nothing is allocated on the device.
-            host = self._new_host(local)
-            host.zero_()
-            return wrap_like(host, like)
+            host = self._new_host(local).zero_()
+            slot = Slot(like, key, host, wrap_like(host, like), local.device)
+            self.slots[(id(like), key)] = slot
+            return slot.value
         return torch.zeros_like(like, memory_format=torch.preserve_format)
 
     def sync_state(self, *, stepping: bool = False) -> list[_Unit]:
@@ -196,13 +199,14 @@ class SwapEngine:
         ordered: list[Slot] = []
         live: set[tuple[int, str]] = set()
         for index, group in enumerate(opt.param_groups):
-            keys = self._current_keys = self._keys(group)
+            keys = self._keys(group)
             for param in group["params"]:
                 grad = param.grad if stepping else None
                 state = opt.state.get(param)
                 if grad is not None and not state:
                     state = opt.state[param]
-                    self.adapter.init_state(group, param, state, self._make_state)
+                    make = functools.partial(self._make_state, keys)
+                    self.adapter.init_state(group, param, state, make)
                 slots = []
                 for key in keys if state else ():
                     slot = self._slot(param, key, state)

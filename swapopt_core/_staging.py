@@ -22,6 +22,18 @@ __all__ = ["PackedStaging", "PerTensorStaging", "Residency", "Staged"]
 _ALIGN = 512  # bytes; every dtype section of an arena starts on this boundary
 
 
+def _carve(buffer: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """A 1-D tensor over ``buffer[offset:offset + numel]`` with a storage of its own.
+
+    The piece aliases the buffer's memory and keeps it alive, but starts at storage offset
+    0: it pickles on its own, and a DTensor wrapping it saves and deep-copies normally
+    (a DTensor over a view with an offset cannot be saved in torch 2.13).
+    """
+    size = buffer.element_size()
+    piece = buffer.untyped_storage()[offset * size : (offset + numel) * size]
+    return torch.empty(0, dtype=buffer.dtype).set_(piece)
+
+
 @dataclass
 class Residency:
     """Device bytes of swapped state held right now, and the peak since install."""
@@ -127,7 +139,7 @@ class PackedStaging:
         cursor = dict.fromkeys(totals, 0)
         for slot in slots:
             dtype, numel = slot.host.dtype, slot.host.numel()
-            view = buffers[dtype].narrow(0, cursor[dtype], numel)
+            view = _carve(buffers[dtype], cursor[dtype], numel)
             view.copy_(slot.host.reshape(-1))
             slot.offset = cursor[dtype]
             cursor[dtype] += numel

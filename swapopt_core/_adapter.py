@@ -34,6 +34,26 @@ class OptimizerAdapter(ABC):
     def matches(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether this adapter serves ``optimizer``."""
 
+    def silence(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        """Make ``optimizer``'s own ``step()`` update nothing; return the undo.
+
+        The swap runs in a step post-hook, after the optimizer's own ``step`` has run the
+        closure; that ``step`` must find no parameter to update. The default serves every
+        torch optimizer whose ``step`` gathers its parameters through ``_init_group``
+        (Adam, AdamW, SGD, ...): an instance attribute shadows it with one that gathers
+        nothing, so the functional update is called with empty lists.
+        """
+
+        def gather_nothing(*args: Any, **kwargs: Any) -> bool:
+            return False  # no complex / sparse parameters among none
+
+        optimizer._init_group = gather_nothing  # type: ignore[attr-defined]
+
+        def undo() -> None:
+            del optimizer._init_group  # type: ignore[attr-defined]
+
+        return undo
+
     def validate(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027
         """Raise for flags of ``optimizer``'s groups that the swap cannot honour.
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import OrderedDict, defaultdict
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +43,9 @@ class _Unit:
 class SwapEngine:
     """Keeps an optimizer's swappable state in host memory and runs its step as a pipeline.
 
-    Installed through the optimizer's own hooks, so the object keeps its identity: a step
-    pre-hook hands the original ``step`` a hollow stand-in (it still runs the closure and
-    returns the loss, but owns no parameters), and a step post-hook runs the pipeline.
+    Installed through the optimizer's own hooks, so the object keeps its identity: the
+    adapter silences the family's own update (``step`` still runs the closure and returns
+    its loss, but finds no parameter to update), and a step post-hook runs the pipeline.
     """
 
     def __init__(
@@ -78,34 +77,21 @@ class SwapEngine:
         self._pending_load: dict[tuple[int, str], torch.Tensor] = {}
         # Units finished by a step that was then interrupted, with the grad they used.
         self._finished: dict[int, tuple[torch.Tensor, int]] = {}
-        self._hollow = self._make_hollow(optimizer)
+        self._unsilence: Callable[[], None] | None = None
 
     # ---- install / remove ----------------------------------------------------------------
 
-    @staticmethod
-    def _make_hollow(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        hollow = object.__new__(type(optimizer))
-        hollow.__dict__.update(
-            defaults=optimizer.defaults,
-            param_groups=[],
-            state=defaultdict(dict),
-            _warned_capturable_if_run_uncaptured=True,
-            _optimizer_step_pre_hooks=OrderedDict(),
-            _optimizer_step_post_hooks=OrderedDict(),
-        )
-        return hollow
-
     def install(self) -> None:
         opt = self.optimizer
+        self._unsilence = self.adapter.silence(opt)
         self._handles = [
-            opt.register_step_pre_hook(self._pre_step),
             opt.register_step_post_hook(self._post_step),
             opt.register_state_dict_pre_hook(self._before_state_dict),
             opt.register_load_state_dict_pre_hook(self._before_load),
             opt.register_load_state_dict_post_hook(self._after_load),
         ]
         # Run before post-hooks the user registered earlier: they expect an updated model.
-        opt._optimizer_step_post_hooks.move_to_end(self._handles[1].id, last=False)
+        opt._optimizer_step_post_hooks.move_to_end(self._handles[0].id, last=False)
         setattr(opt, ENGINE_ATTR, self)
         # Offload state that exists already, so it is not resident through forward/backward.
         self.adapter.validate(opt)
@@ -123,6 +109,9 @@ class SwapEngine:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._unsilence is not None:
+            self._unsilence()
+            self._unsilence = None
         delattr(self.optimizer, ENGINE_ATTR)
 
     # ---- state bookkeeping ---------------------------------------------------------------
@@ -147,17 +136,23 @@ class SwapEngine:
             and self.runtime.accepts(local_tensor(param).device)
         )
 
-    def _new_host(self, like: torch.Tensor) -> torch.Tensor:
-        if self.staging.packed:
-            # Packed mode copies it into the packed buffer before the step: no pinning.
-            return torch.empty(like.shape, dtype=like.dtype)
-        return self.runtime.alloc_host(like.numel(), like.dtype).view(like.shape)
+    def _host_copy(self, local: torch.Tensor, *, settled: bool = False) -> torch.Tensor:
+        """Host memory holding ``local``'s values for a new slot.
 
-    def _adopt(self, param: torch.Tensor, key: str, value: torch.Tensor) -> Slot:
+        In packed mode the slot is about to be copied into the packed buffer by the layout
+        that ends ``sync_state``, so unless ``settled`` is asked for (state created inside a
+        step, which must leave the device now) the source itself stands in until then.
+        """
+        if self.staging.packed:
+            return local.to("cpu", copy=True) if settled else local
+        host = self.runtime.alloc_host(local.numel(), local.dtype).view(local.shape)
+        return host.copy_(local)
+
+    def _adopt(
+        self, param: torch.Tensor, key: str, value: torch.Tensor, *, settled: bool = False
+    ) -> Slot:
         """Take ``value`` into host memory and make it the state entry."""
-        local = local_tensor(value)
-        host = self._new_host(local)
-        host.copy_(local)
+        host = self._host_copy(local_tensor(value), settled=settled)
         slot = Slot(param, key, host, wrap_like(host, value), local_tensor(param).device)
         self.optimizer.state[param][key] = slot.value
         self.slots[(id(param), key)] = slot
@@ -179,8 +174,12 @@ class SwapEngine:
         if key in keys and local.is_contiguous() and self._eligible(
             like, local.dtype, local.numel()
         ):
-            # Zeros straight into host memory: nothing is allocated on the device.
-            host = self._new_host(local).zero_()
+            # Zeros straight into host memory: nothing is allocated on the device. Packed
+            # mode needs no memory at all until the layout writes the zeros in place.
+            zero = torch.zeros((), dtype=local.dtype)
+            host = zero.expand(local.shape) if self.staging.packed else self._host_copy(
+                zero.expand(local.shape)
+            )
             slot = Slot(like, key, host, wrap_like(host, like), local.device)
             self.slots[(id(like), key)] = slot
             return slot.value
@@ -226,10 +225,6 @@ class SwapEngine:
         self.optimizer.state[slot.param][slot.key] = slot.value
 
     # ---- the step ------------------------------------------------------------------------
-
-    def _pre_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple:
-        # The original step runs on a stand-in without parameters: it only runs the closure.
-        return (self._hollow, *args[1:]), kwargs
 
     def _post_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self.step()
@@ -319,7 +314,7 @@ class SwapEngine:
                 continue
             if key in keys and self._swappable(unit.param, value):
                 # Created by the update (SGD momentum): take it to host memory right away.
-                self._adopt(unit.param, key, wrap_like(value, unit.param))
+                self._adopt(unit.param, key, wrap_like(value, unit.param), settled=True)
             else:
                 like = old if isinstance(old, torch.Tensor) else unit.param
                 state[key] = wrap_like(value, like) if isinstance(value, torch.Tensor) else value
@@ -365,8 +360,7 @@ class SwapEngine:
                     if local_tensor(param).is_floating_point():
                         # Cast like torch's loader does, but to host memory, not the device.
                         local = local.to(dtype=param.dtype)
-                    host = self._new_host(local)
-                    host.copy_(local)
+                    host = self._host_copy(local)
                     slot = Slot(param, key, host, wrap_like(host, _layout_source(value, param)),
                                 local_tensor(param).device)
                     opt.state[param][key] = slot.value

@@ -139,11 +139,11 @@ class PackedStaging:
         cursor = dict.fromkeys(totals, 0)
         for slot in slots:
             dtype, numel = slot.host.dtype, slot.host.numel()
-            view = _carve(buffers[dtype], cursor[dtype], numel)
-            view.copy_(slot.host.reshape(-1))
+            view = _carve(buffers[dtype], cursor[dtype], numel).view(slot.host.shape)
+            view.copy_(slot.host)  # broadcasts the expanded zeros of fresh state
             slot.offset = cursor[dtype]
             cursor[dtype] += numel
-            slot.host = view.view(slot.host.shape)
+            slot.host = view
             slot.value = wrap_like(slot.host, slot.value)
             publish(slot)
         self.buffers = buffers

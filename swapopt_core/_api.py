@@ -146,7 +146,8 @@ def swap_optimizer(
     engine = SwapEngine(optimizer, config, adapter, runtime, manager)
     engine.install()
     logger.info(
-        "swapopt installed on %s: runtime=%s packed=%s swap_times=%d, %d state tensors swapped",
+        "swapopt installed on %s: runtime=%s packed=%s swap_times=%d; %d existing state "
+        "tensors offloaded, new state is created in host memory at its first step",
         type(optimizer).__name__, runtime.name, engine.staging.packed, config.swap_times,
         len(engine.slots),
     )

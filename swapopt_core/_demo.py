@@ -45,8 +45,8 @@ class DemoOptions:
         lr: AdamW learning rate.
     """
 
-    steps: int = 40
-    swap_times: int = 4
+    steps: int = 100
+    swap_times: int = 8
     packed: bool | None = None
     device: str | None = None
     seed: int = 0
@@ -78,7 +78,6 @@ class DemoReport:
 
     options: DemoOptions
     device: torch.device
-    runtime: str
     num_params: int
     plain: RunResult
     swapped: RunResult
@@ -86,9 +85,8 @@ class DemoReport:
     @property
     def identical(self) -> bool:
         """Whether every final parameter of the two runs is bit-identical."""
-        return len(self.plain.params) == len(self.swapped.params) and all(
-            torch.equal(a, b) for a, b in zip(self.plain.params, self.swapped.params)
-        )
+        pairs = zip(self.plain.params, self.swapped.params, strict=True)
+        return all(torch.equal(a, b) for a, b in pairs)
 
 
 class _Block(nn.Module):
@@ -101,7 +99,9 @@ class _Block(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
@@ -169,20 +169,16 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+    if device.type == "cuda":  # time the step's kernels, not just their launch
         torch.cuda.synchronize(device)
 
 
 def _train(
-    template: nn.Module,
-    batches: torch.Tensor,
-    eval_batch: torch.Tensor,
-    config: SwapOptimizerConfig | None,
-    options: DemoOptions,
-    device: torch.device,
-    progress: Progress,
+    template: nn.Module, batches: torch.Tensor, eval_batch: torch.Tensor,
+    config: SwapOptimizerConfig | None, options: DemoOptions, progress: Progress,
 ) -> RunResult:
     """Trains a copy of ``template``; with a ``config`` its AdamW runs swapped."""
+    device = batches.device
     model = copy.deepcopy(template).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.1)
     if config is not None:
@@ -201,7 +197,8 @@ def _train(
         opt.step()
         _sync(device)
         step_seconds.append(time.perf_counter() - start)
-        state_bytes = max(state_bytes, _state_bytes(opt))
+        if config is None:  # swapped state is measured by swap_stats instead
+            state_bytes = max(state_bytes, _state_bytes(opt))
         value = loss.item()
         first_loss = value if step == 0 else first_loss
         progress.update(task, advance=1, loss=value)
@@ -230,9 +227,10 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoReport
         Both runs' measurements.
     """
     device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    runtime = "loopback" if device.type == "cpu" else "auto"
     config = SwapOptimizerConfig(
-        swap_times=options.swap_times, packed_swap=options.packed, runtime=runtime
+        swap_times=options.swap_times,
+        packed_swap=options.packed,
+        runtime="loopback" if device.type == "cpu" else "auto",
     )
     with torch.random.fork_rng(devices=[]):  # seed the weights without touching global state
         torch.manual_seed(options.seed)
@@ -242,21 +240,14 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoReport
     num_params = sum(p.numel() for p in template.parameters())
     data = make_batches(options, options.steps + 1).to(device)
     batches, eval_batch = data[:-1], data[-1]
-    logger.info(
-        "demo: %d parameters on %s, %d steps, runtime %s", num_params, device, options.steps, runtime
-    )
+    logger.info("demo: %d parameters on %s, %d steps each run", num_params, device, options.steps)
     console = console or Console()
-    columns = (
-        TextColumn("{task.description:>14}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TimeElapsedColumn(),
-    )
+    columns = (TextColumn("{task.description:>14}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn())
     with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
-        plain = _train(template, batches, eval_batch, None, options, device, progress)
-        swapped = _train(template, batches, eval_batch, config, options, device, progress)
-    return DemoReport(options, device, runtime, num_params, plain, swapped)
+        plain = _train(template, batches, eval_batch, None, options, progress)
+        swapped = _train(template, batches, eval_batch, config, options, progress)
+    return DemoReport(options, device, num_params, plain, swapped)
 
 
 def _mib(num_bytes: int) -> str:
@@ -269,63 +260,44 @@ def _ratio(numerator: float, denominator: float) -> str:
 
 def render_report(report: DemoReport) -> Table:
     """Lays the two runs out as a rich table, plain AdamW next to swapped AdamW."""
-    opts, plain, swapped = report.options, report.plain, report.swapped
-    stats = swapped.stats
+    opts, plain, swapped, stats = report.options, report.plain, report.swapped, report.swapped.stats
     assert stats is not None, "the swapped run always records swap stats"
-    mode = {None: "backend default", True: "packed", False: "per-tensor"}[opts.packed]
     table = Table(
-        title=(
-            f"swapopt demo: TinyGPT {report.num_params / 1e6:.2f}M params, {opts.steps} steps on "
-            f"{report.device} (runtime {report.runtime}, swap_times {opts.swap_times}, {mode})"
-        )
+        title=f"swapopt demo: TinyGPT {report.num_params / 1e6:.2f}M params, {opts.steps} steps "
+        f"on {report.device} (runtime {stats.runtime}, swap_times {opts.swap_times}, "
+        f"{'packed' if stats.packed else 'per-tensor'}, {stats.swapped_tensors} states swapped)"
     )
-    for name, justify in (("", "left"), ("plain AdamW", "right"), ("swapped AdamW", "right")):
-        table.add_column(name, justify=justify)
-    table.add_column("comparison", justify="left")
-    same_loss = plain.final_loss == swapped.final_loss
-    table.add_row("loss at step 1", f"{plain.first_loss:.6f}", f"{swapped.first_loss:.6f}", "")
-    table.add_row(
-        "final loss",
-        f"{plain.final_loss:.6f}",
-        f"{swapped.final_loss:.6f}",
-        "equal" if same_loss else "DIFFERENT",
-    )
-    table.add_row(
-        "final parameters", "", "", "bit-identical" if report.identical else "NOT bit-identical"
-    )
-    # States below min_numel are not swapped; they stay resident in both runs.
-    resident_rest = max(plain.state_bytes - stats.total_state_bytes, 0)
-    swapped_peak = stats.peak_resident_state_bytes + resident_rest
-    table.add_row(
-        "peak device optimizer state",
-        _mib(plain.state_bytes),
-        _mib(swapped_peak),
-        f"{_ratio(swapped_peak, plain.state_bytes)} of plain",
-    )
-    if plain.cuda_peak_bytes is not None and swapped.cuda_peak_bytes is not None:
-        table.add_row(
-            "peak CUDA memory allocated",
-            _mib(plain.cuda_peak_bytes),
-            _mib(swapped.cuda_peak_bytes),
-            f"{_ratio(swapped.cuda_peak_bytes, plain.cuda_peak_bytes)} of plain",
-        )
-    table.add_row(
-        "host optimizer state", _mib(0), _mib(stats.host_state_bytes),
-        f"pinned {_mib(stats.pinned_host_bytes)}",
-    )
-    per_step = max(stats.steps, 1)
-    table.add_row(
-        "moved host->device", _mib(0), _mib(stats.h2d_bytes), f"{_mib(stats.h2d_bytes // per_step)}/step"
-    )
-    table.add_row(
-        "moved device->host", _mib(0), _mib(stats.d2h_bytes), f"{_mib(stats.d2h_bytes // per_step)}/step"
+    table.add_column("")
+    table.add_column("plain AdamW", justify="right")
+    table.add_column("swapped AdamW", justify="right")
+    table.add_column("comparison")
+    # States below min_numel are not swapped: they stay on the device in both runs.
+    swapped_peak = stats.peak_resident_state_bytes + max(
+        plain.state_bytes - stats.total_state_bytes, 0
     )
     plain_ms = statistics.median(plain.step_seconds) * 1e3
     swapped_ms = statistics.median(swapped.step_seconds) * 1e3
-    table.add_row(
-        "median optimizer.step()",
-        f"{plain_ms:.2f} ms",
-        f"{swapped_ms:.2f} ms",
-        f"{_ratio(swapped_ms, plain_ms)} (swapped/plain)",
-    )
+    steps = max(stats.steps, 1)
+    rows = [
+        ("loss at step 1", f"{plain.first_loss:.6f}", f"{swapped.first_loss:.6f}", ""),
+        ("final loss", f"{plain.final_loss:.6f}", f"{swapped.final_loss:.6f}",
+         "equal" if plain.final_loss == swapped.final_loss else "DIFFERENT"),
+        ("final parameters", "", "", "bit-identical" if report.identical else "NOT bit-identical"),
+        ("peak device opt. state", _mib(plain.state_bytes), _mib(swapped_peak),
+         f"{_ratio(swapped_peak, plain.state_bytes)} of plain"),
+    ]
+    if plain.cuda_peak_bytes is not None and swapped.cuda_peak_bytes is not None:
+        rows.append(("peak CUDA allocated", _mib(plain.cuda_peak_bytes),
+                     _mib(swapped.cuda_peak_bytes),
+                     f"{_ratio(swapped.cuda_peak_bytes, plain.cuda_peak_bytes)} of plain"))
+    rows += [
+        ("host opt. state", _mib(0), _mib(stats.host_state_bytes),
+         f"pinned {_mib(stats.pinned_host_bytes)}"),
+        ("moved H2D", _mib(0), _mib(stats.h2d_bytes), f"{_mib(stats.h2d_bytes // steps)}/step"),
+        ("moved D2H", _mib(0), _mib(stats.d2h_bytes), f"{_mib(stats.d2h_bytes // steps)}/step"),
+        ("median opt.step()", f"{plain_ms:.2f} ms", f"{swapped_ms:.2f} ms",
+         f"{_ratio(swapped_ms, plain_ms)} swapped/plain"),
+    ]
+    for row in rows:
+        table.add_row(*row)
     return table

@@ -84,18 +84,38 @@ class SwapEngine:
     def install(self) -> None:
         opt = self.optimizer
         self._unsilence = self.adapter.silence(opt)
+        step_post = opt.register_step_post_hook(self._post_step)
+        # Before post-hooks the user registered earlier: they expect an updated model.
+        opt._optimizer_step_post_hooks.move_to_end(step_post.id, last=False)
+        load_pre = opt.register_load_state_dict_pre_hook(self._before_load)
         self._handles = [
-            opt.register_step_post_hook(self._post_step),
+            step_post,
+            load_pre,
             opt.register_state_dict_pre_hook(self._before_state_dict),
-            opt.register_load_state_dict_pre_hook(self._before_load),
-            opt.register_load_state_dict_post_hook(self._after_load),
+            # First, so the user's load post-hooks find the swapped entries in place.
+            opt.register_load_state_dict_post_hook(self._after_load, prepend=True),
         ]
-        # Run before post-hooks the user registered earlier: they expect an updated model.
-        opt._optimizer_step_post_hooks.move_to_end(self._handles[0].id, last=False)
+        self._keep_load_pre_hook_last(load_pre.id)
         setattr(opt, ENGINE_ATTR, self)
         # Offload state that exists already, so it is not resident through forward/backward.
         self.adapter.validate(opt)
         self.sync_state()
+
+    def _keep_load_pre_hook_last(self, hook_id: int) -> None:
+        """Keep our load pre-hook after any the user adds later.
+
+        It takes the swapped entries out of the dict torch is about to load; a user's own
+        pre-hook must still see (and may edit) the whole checkpoint first.
+        """
+        opt = self.optimizer
+        register = type(opt).register_load_state_dict_pre_hook.__get__(opt)
+
+        def register_before_swap(hook: Callable[..., Any], prepend: bool = False) -> Any:
+            handle = register(hook, prepend=prepend)
+            opt._optimizer_load_state_dict_pre_hooks.move_to_end(hook_id)
+            return handle
+
+        opt.register_load_state_dict_pre_hook = register_before_swap  # type: ignore[method-assign]
 
     def remove(self) -> None:
         """Move every swapped state back to its device and remove the hooks."""
@@ -112,6 +132,7 @@ class SwapEngine:
         if self._unsilence is not None:
             self._unsilence()
             self._unsilence = None
+        del self.optimizer.register_load_state_dict_pre_hook
         delattr(self.optimizer, ENGINE_ATTR)
 
     # ---- state bookkeeping ---------------------------------------------------------------

@@ -97,7 +97,7 @@ def train(
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             out = opt.step()
-        returned.append(None if out is None else float(out))
+        returned.append(None if out is None else float(out.detach()))
         if scheduler is not None:
             scheduler.step()
         if after_step is not None:

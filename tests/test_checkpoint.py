@@ -327,3 +327,71 @@ def test_state_moved_back_by_a_framework_is_offloaded_again(packed):
             assert_engine_host(opt, p, key)
     train(model, opt, TOTAL - MIDDLE - 1, start=MIDDLE + 1)
     assert_same(ref_opt, opt, ref_model, model)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize("when", ["before_install", "after_install"])
+def test_user_load_state_dict_pre_hook_sees_and_edits_the_whole_state(when, packed):
+    """A ``load_state_dict`` pre-hook gets the checkpoint as given and may return an edited
+    one (here: ``exp_avg`` halved), whether it was registered before or after install."""
+    _, source = reference({}, MIDDLE)
+    blob = save(source.state_dict())
+
+    def halve(opt, state_dict):
+        seen.append({i: sorted(entry) for i, entry in state_dict["state"].items()})
+        edited = copy.deepcopy(state_dict)
+        for entry in edited["state"].values():
+            entry["exp_avg"] = entry["exp_avg"] * 0.5
+        return edited
+
+    results = []
+    for kind in ("plain", "swapped"):
+        seen = []
+        model = make_model()
+        opt = make_opt(model, {})
+        if kind == "swapped" and when == "after_install":
+            swap_optimizer(opt, loopback(min_numel=0, packed_swap=packed))
+        opt.register_load_state_dict_pre_hook(halve)
+        if kind == "swapped" and when == "before_install":
+            swap_optimizer(opt, loopback(min_numel=0, packed_swap=packed))
+        opt.load_state_dict(load(blob))
+        results.append((model, opt, seen))
+    (model_a, opt_a, seen_a), (model_b, opt_b, seen_b) = results
+    assert seen_b == seen_a
+    assert_same(opt_a, opt_b, model_a, model_b)
+    ckpt = load(blob)
+    first = opt_b.param_groups[0]["params"][0]
+    assert torch.equal(opt_b.state[first]["exp_avg"], ckpt["state"][0]["exp_avg"] * 0.5)
+    train(model_a, opt_a, 3, start=MIDDLE)
+    train(model_b, opt_b, 3, start=MIDDLE)
+    assert_same(opt_a, opt_b, model_a, model_b)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize("when", ["before_install", "after_install"])
+def test_user_load_state_dict_post_hook_sees_the_loaded_state(when, packed):
+    """A ``load_state_dict`` post-hook runs on the fully loaded optimizer, as in torch."""
+    _, source = reference({"amsgrad": True}, MIDDLE)
+    blob = save(source.state_dict())
+    seen = {}
+
+    def record(opt):
+        seen[kind] = [
+            {k: v.clone() for k, v in opt.state.get(p, {}).items()}
+            for g in opt.param_groups for p in g["params"]
+        ]
+
+    for kind in ("plain", "swapped"):
+        opt = make_opt(make_model(), {"amsgrad": True})
+        if kind == "swapped" and when == "after_install":
+            swap_optimizer(opt, loopback(min_numel=0, packed_swap=packed))
+        opt.register_load_state_dict_post_hook(record)
+        if kind == "swapped" and when == "before_install":
+            swap_optimizer(opt, loopback(min_numel=0, packed_swap=packed))
+        opt.load_state_dict(load(blob))
+    assert len(seen["plain"]) == len(seen["swapped"])
+    assert any(seen["plain"])
+    for plain, swapped in zip(seen["plain"], seen["swapped"], strict=True):
+        assert plain.keys() == swapped.keys()
+        for key in plain:
+            assert torch.equal(plain[key], swapped[key]), key

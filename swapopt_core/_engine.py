@@ -379,8 +379,8 @@ class SwapEngine:
                         continue
                     local = local_tensor(value)
                     if local_tensor(param).is_floating_point():
-                        # Cast like torch's loader does, but to host memory, not the device.
-                        local = local.to(dtype=param.dtype)
+                        # Cast like torch's loader does, but into host memory, not the device.
+                        local = local.to(device="cpu", dtype=param.dtype)
                     host = self._host_copy(local)
                     slot = Slot(param, key, host, wrap_like(host, _layout_source(value, param)),
                                 local_tensor(param).device)

@@ -51,6 +51,22 @@ class _Boom(Exception):
     pass
 
 
+def _fail_on_call(
+    monkeypatch: pytest.MonkeyPatch, owner: type, name: str, error: type, calls: dict
+) -> None:
+    """Make ``owner.name`` raise ``error`` on the call numbered ``calls["fail"]`` (from 1)."""
+    original = getattr(owner, name)
+    calls.setdefault("n", 0)
+
+    def failing(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == calls["fail"]:
+            raise error("injected")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_closure_exception_changes_nothing(packed: bool) -> None:
     pair = _pair(packed)
@@ -77,16 +93,7 @@ def test_update_exception_drains_and_repeating_the_step_matches(
     pair = _pair(packed)
     _train_both(pair, range(2))
     plain_model, plain, swapped_model, swapped = pair
-    calls = {"n": 0}
-    update = TorchAdamAdapter.update
-
-    def flaky(self, *args, **kwargs):  # noqa: ANN001, ANN202
-        calls["n"] += 1
-        if calls["n"] == failing_batch + 1:
-            raise error("injected")
-        return update(self, *args, **kwargs)
-
-    monkeypatch.setattr(TorchAdamAdapter, "update", flaky)
+    _fail_on_call(monkeypatch, TorchAdamAdapter, "update", error, {"fail": failing_batch + 1})
     plain.zero_grad()
     _backward(plain_model, 2)
     plain.step()
@@ -110,16 +117,7 @@ def test_new_gradients_after_an_interruption_give_a_full_step(
 ) -> None:
     pair = _pair(packed)
     plain_model, plain, swapped_model, swapped = pair
-    update = TorchAdamAdapter.update
-    calls = {"n": 0}
-
-    def flaky(self, *args, **kwargs):  # noqa: ANN001, ANN202
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise _Boom
-        return update(self, *args, **kwargs)
-
-    monkeypatch.setattr(TorchAdamAdapter, "update", flaky)
+    _fail_on_call(monkeypatch, TorchAdamAdapter, "update", _Boom, {"fail": 2})
     swapped.zero_grad()
     _backward(swapped_model, 0)
     with pytest.raises(_Boom):
@@ -149,15 +147,8 @@ def test_allocation_failure_mid_pipeline_is_drained(
     _train_both(pair, range(2))
     plain_model, plain, swapped_model, swapped = pair
     alloc = LoopbackRuntime.alloc_device
-    calls = {"n": 0}
-
-    def failing(self, *args, **kwargs):  # noqa: ANN001, ANN202
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise MemoryError("device full")
-        return alloc(self, *args, **kwargs)
-
-    monkeypatch.setattr(LoopbackRuntime, "alloc_device", failing)
+    calls = {"fail": 5}
+    _fail_on_call(monkeypatch, LoopbackRuntime, "alloc_device", MemoryError, calls)
     for model, opt in ((plain_model, plain), (swapped_model, swapped)):
         opt.zero_grad()
         _backward(model, 2)

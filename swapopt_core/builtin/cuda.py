@@ -19,6 +19,7 @@ from swapopt_core.hookspecs import hookimpl
 logger = logging.getLogger(__name__)
 
 _Ticket = list[tuple[torch.device, "torch.cuda.Event"]]
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 class CudaRuntime(TransferRuntime):
@@ -48,8 +49,9 @@ class CudaRuntime(TransferRuntime):
         nbytes = host.untyped_storage().nbytes()
         if nbytes and not self._register_failed:
             cudart = torch.cuda.cudart()
-            error = cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
-            if int(getattr(error, "value", error)) == 0:
+            # Portable: the pages count as pinned for every device's context.
+            error = int(cudart.cudaHostRegister(host.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
+            if error == 0:
                 # Unregister only once the storage and every view of it are gone.
                 weakref.finalize(host.untyped_storage(), cudart.cudaHostUnregister,
                                  host.data_ptr())
@@ -57,8 +59,8 @@ class CudaRuntime(TransferRuntime):
             else:
                 self._register_failed = True
                 logger.warning(
-                    "cudaHostRegister failed (%s); swapped state uses pageable host memory, "
-                    "so copies will not overlap with compute.",
+                    "cudaHostRegister failed (cudaError %d); swapped state uses pageable host "
+                    "memory, so copies will not overlap with compute.",
                     error,
                 )
         return host

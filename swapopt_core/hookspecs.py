@@ -38,7 +38,7 @@ class SwapOptSpecs:
     def swapopt_register_runtimes(self) -> Iterable[type[TransferRuntime]]:
         """Contribute transfer runtimes.
 
-        Called once per plugin manager. Each runtime class carries a unique ``name`` (what
+        Called at every ``swap_optimizer``. Each runtime class carries a unique ``name`` (what
         ``SwapOptimizerConfig.runtime`` selects) and the ``device_types`` that
         ``runtime="auto"`` picks it for.
 
@@ -50,8 +50,9 @@ class SwapOptSpecs:
     def swapopt_register_optimizer_adapters(self) -> Iterable[OptimizerAdapter]:
         """Contribute optimizer families that can be swapped.
 
-        Adapters from plugins registered later are asked first, so a plugin can take over a
-        family a built-in serves.
+        Called at every ``swap_optimizer``; the first adapter whose ``matches`` accepts the
+        optimizer serves it. Adapters from plugins registered later are asked first, so a
+        plugin can take over a family a built-in serves.
 
         Returns:
             Instances of ``swapopt_core.OptimizerAdapter`` subclasses.

@@ -83,6 +83,14 @@ class SwapEngine:
 
     def install(self) -> None:
         opt = self.optimizer
+        self.adapter.validate(opt)
+        try:
+            # Offload state that exists already, so it is not resident through the next
+            # forward/backward. Done first: a failure here leaves no hook behind.
+            self.sync_state()
+        except BaseException:
+            self._restore_state()
+            raise
         self._unsilence = self.adapter.silence(opt)
         step_post = opt.register_step_post_hook(self._post_step)
         # Before post-hooks the user registered earlier: they expect an updated model.
@@ -97,9 +105,6 @@ class SwapEngine:
         ]
         self._keep_load_pre_hook_last(load_pre.id)
         setattr(opt, ENGINE_ATTR, self)
-        # Offload state that exists already, so it is not resident through forward/backward.
-        self.adapter.validate(opt)
-        self.sync_state()
 
     def _keep_load_pre_hook_last(self, hook_id: int) -> None:
         """Keep our load pre-hook after any the user adds later.
@@ -119,13 +124,7 @@ class SwapEngine:
 
     def remove(self) -> None:
         """Move every swapped state back to its device and remove the hooks."""
-        self.runtime.synchronize()
-        for slot in self.slots.values():
-            local = torch.empty_like(slot.host, device=slot.device)
-            local.copy_(slot.host)
-            self.optimizer.state[slot.param][slot.key] = wrap_like(local, slot.value)
-        self.slots.clear()
-        self.staging = PerTensorStaging(self.runtime, self.residency)
+        self._restore_state()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -134,6 +133,14 @@ class SwapEngine:
             self._unsilence = None
         del self.optimizer.register_load_state_dict_pre_hook
         delattr(self.optimizer, ENGINE_ATTR)
+
+    def _restore_state(self) -> None:
+        self.runtime.synchronize()
+        for slot in self.slots.values():
+            local = torch.empty_like(slot.host, device=slot.device)
+            local.copy_(slot.host)
+            self.optimizer.state[slot.param][slot.key] = wrap_like(local, slot.value)
+        self.slots.clear()
 
     # ---- state bookkeeping ---------------------------------------------------------------
 

@@ -141,3 +141,37 @@ def test_packed_states_on_several_devices_are_refused() -> None:
     ]
     with pytest.raises(SwapOptError, match=r"\['cuda:0', 'cuda:1'\].*packed_swap=False"):
         staging.layout(slots, lambda slot: None)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_failed_install_leaves_a_plain_working_optimizer(
+    monkeypatch: pytest.MonkeyPatch, packed: bool
+) -> None:
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+        opt.zero_grad()
+        model(torch.randn(4, 64, generator=torch.Generator().manual_seed(seed))).sum().backward()
+        opt.step()
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)))
+    plain, victim = (torch.optim.Adam(m.parameters()) for m in models)
+    for model, opt in zip(models, (plain, victim), strict=True):
+        train(model, opt, 0)
+
+    def no_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise MemoryError("host full")
+
+    monkeypatch.setattr(LoopbackRuntime, "alloc_host", no_memory)
+    config = SwapOptimizerConfig(runtime="loopback", min_numel=0, packed_swap=packed)
+    with pytest.raises(MemoryError):
+        swap_optimizer(victim, config)
+    assert not is_swap_optimizer(victim)
+    assert not victim._optimizer_step_post_hooks
+    assert not victim._optimizer_load_state_dict_pre_hooks
+    for model, opt in zip(models, (plain, victim), strict=True):
+        train(model, opt, 1)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert all(torch.equal(v, victim.state[b][k]) for k, v in plain.state[a].items())

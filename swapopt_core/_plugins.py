@@ -13,6 +13,7 @@ import pluggy
 
 from swapopt_core._adapter import OptimizerAdapter
 from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._offload.planning import ResidencyPlanner
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core.builtin import DEFAULT_PLUGINS
 from swapopt_core.hookspecs import PROJECT, SwapOptSpecs
@@ -111,3 +112,21 @@ def optimizer_adapters(manager: pluggy.PluginManager) -> list[OptimizerAdapter]:
                 )
             adapters.append(adapter)
     return adapters
+
+
+def residency_planners(manager: pluggy.PluginManager) -> dict[str, ResidencyPlanner]:
+    """Planners by name; a name registered twice is an error."""
+    found: dict[str, ResidencyPlanner] = {}
+    for batch in manager.hook.swapopt_register_planners():
+        for planner in batch:
+            if not isinstance(planner, ResidencyPlanner):
+                raise SwapOptError(
+                    f"A plugin registered {planner!r} as a planner; swapopt_register_planners "
+                    "must return ResidencyPlanner instances."
+                )
+            if planner.name in found:
+                raise SwapOptError(
+                    f"Two plugins register a planner named {planner.name!r}. Unregister one."
+                )
+            found[planner.name] = planner
+    return found

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from swapopt_core._adapter import OptimizerAdapter
     from swapopt_core._config import SwapOptimizerConfig
+    from swapopt_core._offload.planning import ResidencyPlanner
     from swapopt_core._runtime import TransferRuntime
     from swapopt_core._stats import SwapStats
 
@@ -56,6 +57,17 @@ class SwapOptSpecs:
 
         Returns:
             Instances of ``swapopt_core.OptimizerAdapter`` subclasses.
+        """
+
+    @hookspec
+    def swapopt_register_planners(self) -> Iterable[ResidencyPlanner]:
+        """Contribute activation residency planners.
+
+        Called when an ``OffloadSession`` resolves ``OffloadConfig.planner`` and by
+        ``swapopt plan``. Each planner carries a unique ``name``.
+
+        Returns:
+            Instances of ``swapopt_core.ResidencyPlanner`` subclasses.
         """
 
     # ---- lifecycle observers ---------------------------------------------------------------

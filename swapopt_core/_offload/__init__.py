@@ -1,0 +1,1 @@
+"""Activation offload: warmup tracer, residency planner, simulator and replay executor."""

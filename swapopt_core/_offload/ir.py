@@ -1,0 +1,227 @@
+"""What the tracer records and the planner produces, with their JSON forms.
+
+A trace is the op sequence of one forward+backward: each op's name, duration and the
+storages it reads and writes. A storage id (``sid``) names one device storage (views share
+it). A schedule lists residency actions to issue before (``pre``) or after (``post``) ops.
+See ``docs/formats.md`` for the JSON schema and the exact meaning of every action.
+
+Bandwidths are in GB/s (10**9 bytes per second).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = [
+    "Access",
+    "AccessKind",
+    "Action",
+    "ActionKind",
+    "ActivationTrace",
+    "ResidencySchedule",
+    "TraceOp",
+]
+
+
+class AccessKind(str, Enum):
+    """How an op touches a storage."""
+
+    READ = "READ"
+    WRITE = "WRITE"
+
+
+class ActionKind(str, Enum):
+    """What a schedule does to a storage at an op boundary."""
+
+    COPY_D2H = "COPY_D2H"
+    RELEASE_DEVICE = "RELEASE_DEVICE"
+    COPY_H2D = "COPY_H2D"
+    RELEASE_HOST = "RELEASE_HOST"
+
+
+@dataclass(frozen=True)
+class Access:
+    """One op's access to one storage."""
+
+    storage_id: int
+    kind: AccessKind
+
+
+@dataclass(frozen=True)
+class TraceOp:
+    """One op of the trace: its name, how long it ran, what it touched."""
+
+    name: str
+    duration_ms: float
+    accesses: tuple[Access, ...] = ()
+
+
+def _check_positive(name: str, value: float) -> float:
+    if not value > 0:
+        raise ValueError(f"ActivationTrace.{name} must be > 0 GB/s, got {value!r}.")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ActivationTrace:
+    """A recorded (or synthetic) forward+backward.
+
+    Attributes:
+        ops: The ops in execution order.
+        storage_sizes: Bytes of every activation storage; accesses to other storage ids
+            (parameters, inputs) do not count towards device memory.
+        retained_sids: Storages still alive after the step (outputs the user keeps): they
+            are never released at their last access.
+        memory_limit_bytes: Device budget for activation storages; ``None`` = unlimited.
+        d2h_bandwidth_gbps: Device-to-host copy bandwidth in GB/s.
+        h2d_bandwidth_gbps: Host-to-device copy bandwidth in GB/s.
+    """
+
+    ops: tuple[TraceOp, ...]
+    storage_sizes: Mapping[int, int]
+    retained_sids: frozenset[int] = frozenset()
+    memory_limit_bytes: int | None = None
+    d2h_bandwidth_gbps: float = 16.0
+    h2d_bandwidth_gbps: float = 16.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        object.__setattr__(self, "storage_sizes", dict(self.storage_sizes))
+        object.__setattr__(self, "retained_sids", frozenset(self.retained_sids))
+        _check_positive("d2h_bandwidth_gbps", self.d2h_bandwidth_gbps)
+        _check_positive("h2d_bandwidth_gbps", self.h2d_bandwidth_gbps)
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 0:
+            raise ValueError(
+                "ActivationTrace.memory_limit_bytes must be >= 0 or None, "
+                f"got {self.memory_limit_bytes!r}."
+            )
+
+    def with_limit(self, memory_limit_bytes: int | None) -> ActivationTrace:
+        """The same trace under another budget."""
+        return ActivationTrace(
+            self.ops, self.storage_sizes, self.retained_sids, memory_limit_bytes,
+            self.d2h_bandwidth_gbps, self.h2d_bandwidth_gbps,
+        )
+
+    def to_json(self) -> str:
+        """Serialise in the schema of ``docs/formats.md``."""
+        return json.dumps({
+            "ops": [
+                {
+                    "name": op.name,
+                    "duration_ms": op.duration_ms,
+                    "accesses": [
+                        {"storage_id": a.storage_id, "kind": a.kind.value} for a in op.accesses
+                    ],
+                }
+                for op in self.ops
+            ],
+            "storage_sizes": {str(sid): size for sid, size in sorted(self.storage_sizes.items())},
+            "retained_sids": sorted(self.retained_sids),
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "d2h_bandwidth_gbps": self.d2h_bandwidth_gbps,
+            "h2d_bandwidth_gbps": self.h2d_bandwidth_gbps,
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> ActivationTrace:
+        """Parse what ``to_json`` wrote; a missing or malformed key raises ``ValueError``."""
+        data = _load_object(text, "trace")
+        try:
+            ops = tuple(
+                TraceOp(
+                    str(op["name"]),
+                    float(op["duration_ms"]),
+                    tuple(
+                        Access(int(a["storage_id"]), AccessKind(a["kind"]))
+                        for a in op.get("accesses", ())
+                    ),
+                )
+                for op in data["ops"]
+            )
+            return cls(
+                ops,
+                {int(sid): int(size) for sid, size in data["storage_sizes"].items()},
+                frozenset(int(s) for s in data.get("retained_sids", ())),
+                None if data.get("memory_limit_bytes") is None else int(data["memory_limit_bytes"]),
+                float(data.get("d2h_bandwidth_gbps", 16.0)),
+                float(data.get("h2d_bandwidth_gbps", 16.0)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"Not an activation trace in the swapopt format: {error!r}") from None
+
+
+@dataclass(frozen=True)
+class Action:
+    """One residency action on one storage."""
+
+    storage_id: int
+    kind: ActionKind
+
+
+@dataclass
+class ResidencySchedule:
+    """Actions to issue before (``pre``) and after (``post``) each op index."""
+
+    pre: dict[int, list[Action]] = field(default_factory=dict)
+    post: dict[int, list[Action]] = field(default_factory=dict)
+
+    def add_pre(self, op: int, storage_id: int, kind: ActionKind) -> None:
+        self.pre.setdefault(op, []).append(Action(storage_id, kind))
+
+    def add_post(self, op: int, storage_id: int, kind: ActionKind) -> None:
+        self.post.setdefault(op, []).append(Action(storage_id, kind))
+
+    def actions(self) -> Iterable[tuple[str, int, Action]]:
+        """Every action as ``("pre" | "post", op, action)``, in op order."""
+        for op in sorted(set(self.pre) | set(self.post)):
+            for action in self.pre.get(op, ()):
+                yield "pre", op, action
+            for action in self.post.get(op, ()):
+                yield "post", op, action
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.pre.values()) + sum(len(v) for v in self.post.values())
+
+    def to_json(self) -> str:
+        """Serialise in the schema of ``docs/formats.md``."""
+
+        def side(actions: dict[int, list[Action]]) -> dict[str, list[dict[str, object]]]:
+            return {
+                str(op): [{"storage_id": a.storage_id, "kind": a.kind.value} for a in items]
+                for op, items in sorted(actions.items())
+                if items
+            }
+
+        return json.dumps({"pre": side(self.pre), "post": side(self.post)})
+
+    @classmethod
+    def from_json(cls, text: str) -> ResidencySchedule:
+        """Parse what ``to_json`` wrote; a malformed document raises ``ValueError``."""
+        data = _load_object(text, "schedule")
+        try:
+            return cls(
+                {
+                    int(op): [Action(int(a["storage_id"]), ActionKind(a["kind"])) for a in items]
+                    for op, items in data.get("pre", {}).items()
+                },
+                {
+                    int(op): [Action(int(a["storage_id"]), ActionKind(a["kind"])) for a in items]
+                    for op, items in data.get("post", {}).items()
+                },
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"Not a residency schedule in the swapopt format: {error!r}") from None
+
+
+def _load_object(text: str, what: str) -> dict:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"The {what} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"The {what} must be a JSON object, got {type(data).__name__}.")
+    return data

@@ -1,17 +1,27 @@
-"""swapopt core: optimizer state in host memory, streamed through the step bit for bit."""
+"""swapopt core: optimizer state and activations in host memory, brought back just in time."""
 
 from swapopt_core._adapter import OptimizerAdapter, StateFactory
 from swapopt_core._api import is_swap_optimizer, swap_optimizer, swap_stats, unswap_optimizer
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._offload.config import OffloadConfig
+from swapopt_core._offload.ir import ActivationTrace, ResidencySchedule
+from swapopt_core._offload.planning import ResidencyPlanner
+from swapopt_core._offload.session import OffloadSession, OffloadStats, skip_offload
 from swapopt_core._plugins import get_plugin_manager, new_plugin_manager
 from swapopt_core._runtime import CopyPair, TransferRuntime
 from swapopt_core._stats import SwapStats
 from swapopt_core.hookspecs import hookimpl
 
 __all__ = [
+    "ActivationTrace",
     "CopyPair",
+    "OffloadConfig",
+    "OffloadSession",
+    "OffloadStats",
     "OptimizerAdapter",
+    "ResidencyPlanner",
+    "ResidencySchedule",
     "StateFactory",
     "SwapOptError",
     "SwapOptWarning",
@@ -22,6 +32,7 @@ __all__ = [
     "hookimpl",
     "is_swap_optimizer",
     "new_plugin_manager",
+    "skip_offload",
     "swap_optimizer",
     "swap_stats",
     "unswap_optimizer",

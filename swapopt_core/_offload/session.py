@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 import logging
 from collections.abc import Callable
@@ -120,7 +121,12 @@ class OffloadSession:
                 f"Choose one of {sorted(['auto', *planners])}, or register a plugin that "
                 "provides it (swapopt_register_planners)."
             )
-        return planners[name]
+        planner = planners[name]
+        if hasattr(planner, "min_bytes"):
+            # Planners with a size threshold take the session's (a copy: others may share it).
+            planner = copy.copy(planner)
+            planner.min_bytes = self.config.min_offload_bytes
+        return planner
 
     def _make_runtime(self) -> ActivationRuntime:
         wanted = self.config.runtime

@@ -110,6 +110,95 @@ def _demo_command(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
+_PLANNER_HELP = "registered planner to use; auto = the default, timed (default: %(default)s)"
+
+
+@_command("plan", "plan a recorded activation trace under a memory budget")
+def _plan_command(parser: argparse.ArgumentParser) -> Handler:
+    """Declares ``swapopt plan``: trace JSON in, residency schedule JSON out, plus a summary."""
+    from swapopt_core._offload import cli_support as cli
+    from swapopt_core._offload.simulate import simulate
+
+    parser.description = (
+        "Read an activation trace (ActivationTrace.to_json(), e.g. OffloadSession.trace), plan "
+        "it under an activation budget with a registered planner, write the residency "
+        "schedule as JSON and print what the plan does in a simulated step. The formats are "
+        "described in docs/formats.md."
+    )
+    add = parser.add_argument
+    add("--trace", required=True, metavar="T.json", help="the activation trace to plan")
+    add("--budget-mb", required=True, type=float, metavar="MB",
+        help="activation budget on the device, in MiB")
+    add("--out", required=True, metavar="P.json", help="where to write the schedule")
+    add("--planner", default="auto", help=_PLANNER_HELP)
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            cli.writable_target(args.out)
+            trace, schedule, planner = cli.plan_file(args.trace, args.budget_mb, args.planner)
+            result = simulate(trace, schedule)
+            cli.write_text(args.out, schedule.to_json())
+        except cli.CommandError as error:
+            parser.error(str(error))
+        console = Console()
+        console.print(cli.summary(trace, schedule, planner, result))
+        console.print(f"Schedule written to {args.out}.")
+        return 0
+
+    return run
+
+
+@_command("plot", "draw the activation memory timeline of a trace with and without a plan")
+def _plot_command(parser: argparse.ArgumentParser) -> Handler:
+    """Declares ``swapopt plot``: a PNG of resident activation memory and copies over time."""
+    from swapopt_core._offload import cli_support as cli
+
+    parser.description = (
+        "Simulate one step of an activation trace with no plan and with a plan (read from "
+        "--schedule, or made now under --budget-mb), and draw resident activation memory over "
+        "time, the budget, and one lane of bars per copy direction. Needs matplotlib "
+        "(pip install 'swapopt[plot]')."
+    )
+    add = parser.add_argument
+    add("--trace", required=True, metavar="T.json", help="the activation trace")
+    add("--schedule", metavar="P.json", help="a schedule written by `swapopt plan` for this trace")
+    add("--budget-mb", type=float, metavar="MB",
+        help="activation budget in MiB: without --schedule, plan the trace under it now; "
+        "with --schedule, only draw it (default: the trace's own budget)")
+    add("--out", required=True, metavar="timeline.png", help="the image to write")
+    add("--planner", default="auto", help=_PLANNER_HELP + "; with --budget-mb only")
+
+    def run(args: argparse.Namespace) -> int:
+        from swapopt_core._offload.plot import plot_timeline
+
+        if args.schedule is None and args.budget_mb is None:
+            parser.error("give --schedule P.json (a plan to draw) or --budget-mb MB (plan now).")
+        if args.schedule is not None and args.planner != "auto":
+            parser.error(f"--planner {args.planner}: applies only with --budget-mb; "
+                         f"--schedule {args.schedule} is already planned. Drop one of them.")
+        try:
+            cli.image_target(args.out)
+            if args.schedule is not None:
+                trace = cli.read_trace(args.trace)
+                if args.budget_mb is not None:
+                    trace = trace.with_limit(cli.budget_bytes(args.budget_mb))
+                schedule = cli.read_schedule(args.schedule)
+                cli.simulate_checked(trace, schedule, args.schedule)
+            else:
+                trace, schedule, _ = cli.plan_file(args.trace, args.budget_mb, args.planner)
+            result = plot_timeline(trace, schedule, args.out)
+        except (cli.CommandError, ModuleNotFoundError) as error:  # matplotlib is optional
+            parser.error(str(error))
+        except OSError as error:
+            parser.error(f"--out {args.out}: cannot be written ({error}).")
+        Console().print(f"Memory timeline written to {args.out} (peak "
+                        f"{result.peak_bytes / cli.MIB:,.1f} MiB, overhead "
+                        f"{100 * result.overhead:.1f} %).")
+        return 0
+
+    return run
+
+
 def _exit_code(exc: SystemExit) -> int:
     if exc.code is None:
         return 0

@@ -33,8 +33,9 @@ class OffloadConfig:
             time-aware planner (``"timed"``). Default: "auto".
         runtime: ``"auto"`` (CUDA when the activations are on CUDA, else loopback),
             ``"cuda"``, or ``"loopback"`` (CPU tensors play the device). Default: "auto".
-        min_offload_kib: Storages smaller than this are never offloaded: a copy's fixed
-            cost outweighs what they free. Default: 1024 (1 MiB).
+        min_offload_kib: Storages smaller than this are left on the device unless the
+            budget cannot be met otherwise (a copy's fixed cost outweighs what they free);
+            the warmup never evicts them. Default: 1024 (1 MiB).
 
     Raises:
         TypeError: A field has the wrong type.

@@ -39,7 +39,13 @@ from itertools import accumulate
 from swapopt_core._offload.ir import ActivationTrace
 from swapopt_core._offload.simulate import TraceIndex
 
-__all__ = ["feasible", "min_feasible_budget", "overhead_lower_bound", "stall_lower_bound_ms"]
+__all__ = [
+    "feasible",
+    "min_feasible_budget",
+    "overhead_lower_bound",
+    "plain_overhead_lower_bound",
+    "stall_lower_bound_ms",
+]
 
 
 def min_feasible_budget(trace: ActivationTrace, *, index: TraceIndex | None = None) -> int:
@@ -126,3 +132,29 @@ def overhead_lower_bound(trace: ActivationTrace, *, index: TraceIndex | None = N
     ix = index if index is not None else TraceIndex(trace)
     stall = stall_lower_bound_ms(trace, index=ix)
     return stall / ix.total_ms if ix.total_ms > 0 else 0.0
+
+
+def plain_overhead_lower_bound(
+    trace: ActivationTrace, *, index: TraceIndex | None = None
+) -> float:
+    """The simpler bound the tighter one refines: ``max(0, max_i out_i, max_i in_i) / T``
+    with ``out_i = E_i / bw_d2h - S_i`` and ``in_i = E_i / bw_h2d - (T - S_i - d_i)``.
+
+    Valid but loose: it lets a copy out start before its data exists, lets reloads use
+    the whole rest of the step, and takes the larger of the two stalls instead of their
+    sum. Reported next to ``overhead_lower_bound`` for comparison.
+    """
+    ix = index if index is not None else TraceIndex(trace)
+    budget = trace.memory_limit_bytes
+    if budget is None or ix.total_ms <= 0:
+        return 0.0
+    bw_d2h = trace.d2h_bandwidth_gbps * 1e6
+    bw_h2d = trace.h2d_bandwidth_gbps * 1e6
+    total = ix.total_ms
+    worst = 0.0
+    for resident, start, duration in zip(ix.natural, ix.starts, ix.durations, strict=True):
+        excess = resident - budget
+        if excess > 0:
+            worst = max(worst, excess / bw_d2h - start,
+                        excess / bw_h2d - (total - start - duration))
+    return worst / total

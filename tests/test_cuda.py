@@ -57,3 +57,28 @@ def test_cuda_device_memory_of_swapped_state_is_freed_between_steps() -> None:
     # Only tiny (below min_numel) states and step counters may remain on the device.
     assert torch.cuda.memory_allocated() - before < 64 * 1024
     assert swap_stats(opt).peak_resident_state_bytes <= 0.55 * swap_stats(opt).total_state_bytes
+
+
+def test_cuda_activation_offload_is_bit_exact_and_within_budget() -> None:
+    from swapopt_core import OffloadConfig, OffloadSession
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 1024),
+                                                         torch.nn.GELU()) for _ in range(8)]).cuda()
+
+    reference, offloaded = net(), net()
+    x = torch.randn(4096, 1024, device="cuda")
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=96, runtime="cuda",
+                                           min_offload_kib=64))
+    for step in range(4):
+        for model in (reference, offloaded):
+            model.zero_grad()
+        reference(x * (step + 1)).square().mean().backward()
+        with session:
+            offloaded(x * (step + 1)).square().mean().backward()
+        for a, b in zip(reference.parameters(), offloaded.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+    stats = session.stats()
+    assert stats.replays == 3 and stats.d2h_bytes > 0
+    assert stats.last_peak_resident_activation_bytes <= 1.15 * 96 * 2**20 + 64 * 2**20

@@ -15,6 +15,7 @@ from swapopt_core import (
     new_plugin_manager,
     skip_offload,
 )
+from swapopt_core._offload.bounds import min_feasible_budget
 from swapopt_core._offload.ir import AccessKind, ActionKind
 
 
@@ -122,6 +123,11 @@ def test_grads_match_over_warmup_and_replays(manager, planner: str, budget_mb: f
         for opt in (ref_opt, off_opt):
             opt.step()  # parameters change between steps
             opt.zero_grad()
+        if planner == "auto":
+            # Within the budget, or within what some single op needs on the device anyway.
+            floor = min_feasible_budget(session.trace)
+            limit = 1.15 * max(budget_mb * 2**20, floor)
+            assert session.stats().last_peak_resident_activation_bytes <= limit
     stats = session.stats()
     assert stats.warmups == 2  # the first step, and the step after the shape change
     assert stats.retraces == 1

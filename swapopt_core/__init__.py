@@ -1,7 +1,13 @@
 """swapopt core: optimizer state and activations in host memory, brought back just in time."""
 
 from swapopt_core._adapter import OptimizerAdapter, StateFactory
-from swapopt_core._api import is_swap_optimizer, swap_optimizer, swap_stats, unswap_optimizer
+from swapopt_core._api import (
+    is_swap_optimizer,
+    offload_optimizer_state,
+    swap_optimizer,
+    swap_stats,
+    unswap_optimizer,
+)
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._offload.config import OffloadConfig
@@ -32,6 +38,7 @@ __all__ = [
     "hookimpl",
     "is_swap_optimizer",
     "new_plugin_manager",
+    "offload_optimizer_state",
     "skip_offload",
     "swap_optimizer",
     "swap_stats",

@@ -18,7 +18,13 @@ from swapopt_core._stats import SwapStats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["is_swap_optimizer", "swap_optimizer", "swap_stats", "unswap_optimizer"]
+__all__ = [
+    "is_swap_optimizer",
+    "offload_optimizer_state",
+    "swap_optimizer",
+    "swap_stats",
+    "unswap_optimizer",
+]
 
 _warned_cpu_auto = False
 
@@ -172,6 +178,35 @@ def unswap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     engine.remove()
     engine.plugin_manager.hook.swapopt_on_uninstall(optimizer=optimizer)
     return optimizer
+
+
+def offload_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+    """Take swappable state that something moved back to the device into host memory now.
+
+    Frameworks restore checkpoints by moving optimizer state to the parameters' device
+    (Lightning, Accelerate). The next step would take it back anyway; calling this right
+    after such a restore frees the device memory before the next forward. A no-op for an
+    optimizer that is not swapped.
+
+    Returns:
+        The number of state tensors that were moved to host memory.
+    """
+    engine = engine_of(optimizer)
+    if engine is None:
+        return 0
+    ours = {id(slot.value) for slot in engine.slots.values()}  # alive: ids are unique
+    moved = sum(
+        1
+        for group in optimizer.param_groups
+        for param in group["params"]
+        for key, value in optimizer.state.get(param, {}).items()
+        if key in engine.keys(group)
+        and id(value) not in ours
+        and engine.swappable(param, value)
+    )
+    with torch.no_grad():
+        engine.sync_state()
+    return moved
 
 
 def swap_stats(optimizer: torch.optim.Optimizer) -> SwapStats:

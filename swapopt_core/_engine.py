@@ -144,12 +144,12 @@ class SwapEngine:
 
     # ---- state bookkeeping ---------------------------------------------------------------
 
-    def _keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
+    def keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
         keys = self.adapter.state_keys(group)
         wanted = self.config.state_keys
         return keys if wanted is None else tuple(k for k in keys if k in wanted)
 
-    def _swappable(self, param: torch.Tensor, value: object) -> bool:
+    def swappable(self, param: torch.Tensor, value: object) -> bool:
         if not isinstance(value, torch.Tensor):
             return False
         local = local_tensor(value)
@@ -191,7 +191,7 @@ class SwapEngine:
         slot = self.slots.get((id(param), key))
         if slot is not None and slot.value is value:
             return slot
-        if not self._swappable(param, value):
+        if not self.swappable(param, value):
             self.slots.pop((id(param), key), None)
             return None
         return self._adopt(param, key, value)
@@ -226,7 +226,7 @@ class SwapEngine:
         ordered: list[Slot] = []
         live: set[tuple[int, str]] = set()
         for index, group in enumerate(opt.param_groups):
-            keys = self._keys(group)
+            keys = self.keys(group)
             for param in group["params"]:
                 grad = param.grad if stepping else None
                 state = opt.state.get(param)
@@ -310,7 +310,7 @@ class SwapEngine:
             by_group.setdefault(unit.group, []).append(unit)
         for index, members in by_group.items():
             group = opt.param_groups[index]
-            keys = self._keys(group)
+            keys = self.keys(group)
             works = []
             for unit in members:
                 work = {k: local_tensor(v) if isinstance(v, torch.Tensor) else v
@@ -340,7 +340,7 @@ class SwapEngine:
             old = state.get(key)
             if old is not None and (old is value or local_tensor(old) is value):
                 continue
-            if key in keys and self._swappable(unit.param, value):
+            if key in keys and self.swappable(unit.param, value):
                 # Created by the update (SGD momentum): take it to host memory right away.
                 self._adopt(unit.param, key, wrap_like(value, unit.param), settled=True)
             else:
@@ -363,12 +363,12 @@ class SwapEngine:
         if len(saved_groups) != len(opt.param_groups):
             return state_dict  # torch's loader reports the mismatch
         for saved, group in zip(saved_groups, opt.param_groups, strict=True):
-            keys = self._keys(saved)
+            keys = self.keys(saved)
             for saved_id, param in zip(saved["params"], group["params"], strict=False):
                 entry = saved_state.get(saved_id)
                 if not isinstance(entry, dict):
                     continue
-                moved = {k: v for k, v in entry.items() if k in keys and self._swappable(param, v)}
+                moved = {k: v for k, v in entry.items() if k in keys and self.swappable(param, v)}
                 if moved:
                     stripped[saved_id] = {k: v for k, v in entry.items() if k not in moved}
                     for key, value in moved.items():
@@ -380,7 +380,7 @@ class SwapEngine:
         self.slots.clear()
         for group in opt.param_groups:
             for param in group["params"]:
-                for key in self._keys(group):
+                for key in self.keys(group):
                     value = pending.get((id(param), key))
                     if value is None:
                         continue

@@ -128,3 +128,25 @@ def test_packed_entries_are_pieces_of_one_buffer_that_save_on_their_own() -> Non
     buffer = io.BytesIO()
     torch.save(entries[0], buffer)
     assert len(buffer.getvalue()) < 2 * entries[0].numel() * entries[0].element_size()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_state_moved_back_by_a_framework_is_offloaded_on_request(packed: bool) -> None:
+    from swapopt_core import offload_optimizer_state
+
+    model = _layers(4)
+    opt = torch.optim.Adam(model.parameters())
+    swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback", packed_swap=packed))
+    _step(model, opt)
+    before = opt.state_dict()
+    for state in opt.state.values():  # what Lightning's _optimizer_to_device does
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = state[key].clone()
+    assert offload_optimizer_state(opt) == 8
+    assert offload_optimizer_state(opt) == 0
+    assert offload_optimizer_state(torch.optim.Adam(_layers(1).parameters())) == 0
+    after = opt.state_dict()
+    for index, state in before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, after["state"][index][key])
+    assert swap_stats(opt).resident_state_bytes == 0

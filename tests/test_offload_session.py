@@ -275,3 +275,22 @@ def test_replays_stay_near_the_budget_with_the_default_planner(fraction: float) 
             assert stats.last_peak_resident_activation_bytes <= 1.15 * budget_mb * 2**20
     assert session.stats().replays == 3 and session.stats().planned_actions > 0
     assert session.stats().d2h_bytes > 0
+
+
+def test_a_step_with_fewer_ops_than_the_trace_is_traced_again(manager) -> None:
+    model = Net()
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.25, runtime="loopback",
+                                           planner="every-gap", min_offload_kib=0),
+                             plugin_manager=manager)
+    with session:
+        _step(model, _batch(0), seed=0)
+    model.zero_grad()
+    with session:  # forward only: the backward half of the trace never comes
+        kept = model(_batch(1))
+    assert torch.isfinite(kept).all()
+    stats = session.stats()
+    assert (stats.replays, stats.retraces) == (0, 1)
+    model.zero_grad()
+    with session:
+        _step(model, _batch(2), seed=2)
+    assert session.stats().warmups == 2

@@ -187,9 +187,13 @@ class OffloadSession:
         return False
 
     def _finish(self, executor: Executor, runtime: ActivationRuntime) -> None:
-        if executor.replaying:
+        if executor.replaying and executor.op + 1 == len(executor.guide):
             self._counts["replays"] += 1
             return
+        if executor.replaying:  # the step ended early: its ops differ from the trace
+            logger.info("activation replay ran %d of %d traced ops; tracing again",
+                        executor.op + 1, len(executor.guide))
+            executor.diverged, executor.recording = True, False
         if executor.diverged:
             self._counts["retraces"] += 1
         if not executor.recording:

@@ -105,6 +105,7 @@ class OffloadSession:
         self._pool: HostPool | None = None
         self._bandwidth: tuple[float, float] | None = None
         self._executor: Executor | None = None
+        self._strikes = 0  # replays in a row that diverged from the current plan
         self._token: contextvars.Token | None = None
         self._counts = {"warmups": 0, "replays": 0, "retraces": 0, "d2h": 0, "h2d": 0,
                         "peak": 0, "last_peak": 0, "refusals": 0}
@@ -189,16 +190,23 @@ class OffloadSession:
     def _finish(self, executor: Executor, runtime: ActivationRuntime) -> None:
         if executor.replaying and executor.op + 1 == len(executor.guide):
             self._counts["replays"] += 1
+            self._strikes = 0
             return
         if executor.replaying:  # the step ended early: its ops differ from the trace
-            logger.info("activation replay ran %d of %d traced ops; tracing again",
+            logger.info("activation replay ran %d of %d traced ops",
                         executor.op + 1, len(executor.guide))
             executor.diverged, executor.recording = True, False
         if executor.diverged:
             self._counts["retraces"] += 1
         if not executor.recording:
-            self.schedule = self._guide = None  # trace again at the next entry
+            # NOTE: a one-off step (Lightning logs differently on an epoch's first batch)
+            # keeps the plan; the same plan failing twice in a row is traced again.
+            self._strikes += 1
+            if self._strikes >= 2:
+                self.schedule = self._guide = None
+                self._strikes = 0
             return
+        self._strikes = 0
         self._counts["warmups"] += 1
         if isinstance(runtime, CudaActivationRuntime):
             # Op durations are read from events: they must all have completed.

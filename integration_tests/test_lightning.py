@@ -1,0 +1,334 @@
+"""``SwapOptimizerCallback`` in the real ``pytorch_lightning`` Trainer on CPU (loopback runtime).
+
+Every equality is ``torch.equal``: a run with the callback must give the bits of the same run
+without it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+pl = pytest.importorskip("pytorch_lightning")
+import _lightning_models as M  # noqa: E402
+import torch  # noqa: E402
+from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint  # noqa: E402
+from pytorch_lightning.loggers import CSVLogger  # noqa: E402
+from pytorch_lightning.utilities.exceptions import MisconfigurationException  # noqa: E402
+
+from swapopt_core import (  # noqa: E402
+    OffloadConfig,
+    OffloadSession,
+    SwapOptimizerConfig,
+    is_swap_optimizer,
+    swap_stats,
+)
+from swapopt_plugins.lightning import SwapOptimizerCallback  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ACTIVATIONS = OffloadConfig(max_resident_activation_mb=0.01, min_offload_kib=0, runtime="loopback")
+
+
+def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(x, y), f"parameter {name} differs"
+
+
+class Probe(pl.Callback):
+    """Records what the swap looks like while training runs."""
+
+    def __init__(self) -> None:
+        self.swapped: list[bool] = []
+        self.grads: list[list[torch.Tensor]] = []
+        self.resident_at_start: list[int] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.optimizers = list(trainer.optimizers)
+        self.resident_at_start = [
+            swap_stats(o).resident_state_bytes for o in trainer.optimizers if is_swap_optimizer(o)
+        ]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads.append([p.grad.clone() for p in pl_module.parameters() if p.grad is not None])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.swapped.append(all(is_swap_optimizer(o) for o in trainer.optimizers))
+
+
+class NoLogNet(M.Net):
+    """``self.log`` adds Lightning bookkeeping ops that differ between steps; leave it out."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+class SkipOddSteps(M.Net):
+    """Runs forward and backward but skips every other optimizer step."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        if batch_idx % 2:
+            optimizer_closure()
+            return
+        optimizer.step(closure=optimizer_closure)
+
+
+# ---- single process: equality with a plain run ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "options"),
+    [
+        (M.Net, {}),
+        (lambda: M.Net(interval="epoch"), {"max_steps": 9}),
+        (M.Net, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+        (M.Net, {"precision": "bf16-mixed"}),
+        (M.TwoOptimizerNet, {}),
+    ],
+    ids=["step-scheduler", "epoch-scheduler", "accumulate-clip", "bf16-mixed", "manual-2-opts"],
+)
+def test_fit_equals_plain(tmp_path, make, options) -> None:
+    plain = M.fit(tmp_path / "plain", make=make, **options)
+    probe = Probe()
+    swapped = M.fit(tmp_path / "swap", [SwapOptimizerCallback(M.LOOPBACK), probe], make=make,
+                    **options)
+    assert probe.swapped and all(probe.swapped)
+    assert_same(plain, swapped)
+    # Removed at teardown: the optimizers are plain again, state equal to the plain run's.
+    for a, b in zip(plain.trainer.optimizers, swapped.trainer.optimizers, strict=True):
+        assert not is_swap_optimizer(b)
+        for sa, sb in zip(a.state.values(), b.state.values(), strict=True):
+            assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_per_tensor_mode_and_lr_monitor(tmp_path) -> None:
+    def run(name: str, callbacks: list) -> tuple[pl.LightningModule, dict]:
+        monitor = LearningRateMonitor(logging_interval="step")
+        model = M.fit(tmp_path / name, [*callbacks, monitor],
+                      logger=CSVLogger(tmp_path / name), log_every_n_steps=1)
+        return model, monitor.lrs
+
+    plain, lrs_plain = run("plain", [])
+    config = SwapOptimizerConfig(runtime="loopback", min_numel=16, packed_swap=False)
+    swapped, lrs_swap = run("swap", [SwapOptimizerCallback(config)])
+    assert_same(plain, swapped)
+    assert lrs_swap == lrs_plain and list(lrs_swap) == ["lr-AdamW"]
+
+
+def test_skipped_steps_and_activation_offload(tmp_path) -> None:
+    plain = M.fit(tmp_path / "plain", make=SkipOddSteps)
+    cb = SwapOptimizerCallback(M.LOOPBACK, activation_offload=ACTIVATIONS)
+    swapped = M.fit(tmp_path / "swap", [cb], make=SkipOddSteps)
+    assert_same(plain, swapped)
+    with OffloadSession(ACTIVATIONS):  # every session was left: a new one may start
+        pass
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_activation_offload_equals_plain(tmp_path, accumulate) -> None:
+    plain_probe, probe = Probe(), Probe()
+    options = {"accumulate_grad_batches": accumulate, "max_steps": 5}
+    plain = M.fit(tmp_path / "plain", [plain_probe], make=NoLogNet, **options)
+    cb = SwapOptimizerCallback(M.LOOPBACK, activation_offload=ACTIVATIONS)
+    swapped = M.fit(tmp_path / "swap", [cb, probe], make=NoLogNet, **options)
+    assert_same(plain, swapped)
+    for ga, gb in zip(plain_probe.grads, probe.grads, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True))
+    # One session entry per optimizer step, also under accumulation.
+    (session,) = cb.offload_sessions.values()
+    stats = session.stats()
+    assert (stats.warmups, stats.replays, stats.retraces) == (1, 4, 0)
+    assert stats.d2h_bytes > 0
+
+
+def test_exception_unswaps_and_leaves_the_session(tmp_path) -> None:
+    class Boom(M.Net):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 2:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    cb, probe = SwapOptimizerCallback(M.LOOPBACK, activation_offload=ACTIVATIONS), Probe()
+    with pytest.raises(RuntimeError, match="boom"):
+        M.fit(tmp_path, [cb, probe], make=Boom)
+    assert probe.swapped == [True, True]
+    with OffloadSession(ACTIVATIONS):  # the session was left
+        pass
+    (opt,) = probe.optimizers
+    assert not is_swap_optimizer(opt)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+
+def test_resume_equals_plain_resume(tmp_path, monkeypatch) -> None:
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
+    M.fit(tmp_path / "first", [SwapOptimizerCallback(M.LOOPBACK), ckpt], max_steps=4,
+          enable_checkpointing=True)
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+
+    # Standard format, CPU tensors, plain data only: loads without swapopt.
+    checkpoint = torch.load(last, weights_only=True)
+    (opt_state,) = checkpoint["optimizer_states"]
+    tensors = [v for s in opt_state["state"].values() for v in s.values()]
+    assert tensors and all(t.device.type == "cpu" for t in tensors)
+    plain_opt = torch.optim.AdamW(M.Net().parameters())
+    plain_opt.load_state_dict(opt_state)
+    (cb_state,) = [v for k, v in checkpoint["callbacks"].items() if "SwapOptimizerCallback" in k]
+    assert cb_state["optimizer_steps"] == 4
+
+    plain = M.fit(tmp_path / "plain", ckpt_path=last, max_steps=8)
+    # Lightning moves restored state to the device; stand in for a device move on CPU by
+    # replacing every state tensor, so the re-offload at on_train_start has work to do.
+    from pytorch_lightning.strategies import strategy as strategy_module
+
+    real_move = strategy_module._optimizer_to_device
+
+    def move(optimizer, device):
+        real_move(optimizer, device)
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and key != "step":
+                    state[key] = value.clone()
+
+    monkeypatch.setattr(strategy_module, "_optimizer_to_device", move)
+    cb, probe = SwapOptimizerCallback(M.LOOPBACK), Probe()
+    resumed = M.fit(tmp_path / "swap", [cb, probe], ckpt_path=last, max_steps=8)
+    assert cb._core.reoffloaded_tensors > 0
+    assert probe.resident_at_start == [0]
+    assert_same(plain, resumed)
+
+
+# ---- refusals, arguments, auto-registration --------------------------------------------------
+
+
+def _setup(strategy: object) -> None:
+    trainer = types.SimpleNamespace(strategy=strategy, callbacks=[], is_global_zero=True)
+    SwapOptimizerCallback(M.LOOPBACK).setup(trainer, None, "fit")
+
+
+def test_refuses_fsdp_cpu_offload_and_deepspeed() -> None:
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    with pytest.raises(MisconfigurationException, match="cpu_offload=False"):
+        _setup(FSDPStrategy(cpu_offload=True))
+
+    class DeepSpeedStrategy:  # stands in for the real one (deepspeed is not installed)
+        config = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+
+    with pytest.raises(MisconfigurationException, match="already offloads.*offload_optimizer=True"):
+        _setup(DeepSpeedStrategy())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"config": "loopback"}, r"config=\.\.\.\) must be a SwapOptimizerConfig.*'loopback'"),
+        ({"activation_offload": 512}, r"activation_offload=.*OffloadConfig or None, got 512"),
+    ],
+)
+def test_invalid_arguments(kwargs, match) -> None:
+    with pytest.raises(TypeError, match=match):
+        SwapOptimizerCallback(**kwargs)
+
+
+def _auto(trainer: pl.Trainer) -> list:
+    return [c for c in trainer.callbacks if isinstance(c, SwapOptimizerCallback)]
+
+
+def test_auto_registration(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("SWAPOPT_LIGHTNING_AUTO", raising=False)
+    assert _auto(M.trainer(tmp_path)) == []
+    monkeypatch.setenv("SWAPOPT_LIGHTNING_AUTO", "1")
+    monkeypatch.setenv("SWAPOPT_RUNTIME", "loopback")
+    monkeypatch.setenv("SWAPOPT_SWAP_TIMES", "3")
+    monkeypatch.setenv("SWAPOPT_MIN_NUMEL", "16")
+    monkeypatch.setenv("SWAPOPT_PACKED_SWAP", "no")
+    monkeypatch.setenv("SWAPOPT_ACTIVATION_BUDGET_MB", "0.5")
+    (cb,) = _auto(M.trainer(tmp_path))
+    assert cb.config == SwapOptimizerConfig(swap_times=3, min_numel=16, packed_swap=False,
+                                            runtime="loopback")
+    assert cb.activation_offload == OffloadConfig(max_resident_activation_mb=0.5,
+                                                  runtime="loopback")
+    # It trains, and equals a plain run.
+    plain = M.fit(tmp_path / "plain", [], make=NoLogNet)
+    monkeypatch.setenv("SWAPOPT_LIGHTNING_AUTO", "1")
+    assert_same(plain, M.fit(tmp_path / "auto", make=NoLogNet))
+    # An explicit callback wins; the auto-registered one stays idle.
+    explicit = SwapOptimizerCallback(M.LOOPBACK)
+    trainer = M.trainer(tmp_path, [explicit])
+    pl.seed_everything(0, verbose=False)
+    trainer.fit(NoLogNet(), M.loader())
+    assert [c._core.active for c in _auto(trainer)] == [True, False]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "accepted"),
+    [
+        ("SWAPOPT_LIGHTNING_AUTO", "maybe", "'1', 'true'"),
+        ("SWAPOPT_SWAP_TIMES", "0", "integers >= 1"),
+        ("SWAPOPT_MIN_NUMEL", "lots", "integers >= 0"),
+        ("SWAPOPT_PACKED_SWAP", "sometimes", "'auto', 'none'"),
+        ("SWAPOPT_RUNTIME", "tpu", "'loopback'"),
+        ("SWAPOPT_ACTIVATION_BUDGET_MB", "-4", "number of MiB >= 0"),
+    ],
+)
+def test_invalid_env(tmp_path, monkeypatch, name, value, accepted) -> None:
+    monkeypatch.setenv("SWAPOPT_LIGHTNING_AUTO", "1")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"{name}='{value}'.*{re.escape(accepted)}"):
+        M.trainer(tmp_path)
+
+
+# ---- the docs -----------------------------------------------------------------------------
+
+
+def test_docs_examples_run(tmp_path, monkeypatch) -> None:
+    text = (REPO / "docs" / "lightning.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "__docs__"}  # later blocks build on earlier ones
+    for block in blocks:
+        exec(compile(block, "docs/lightning.md", "exec"), namespace)
+
+
+# ---- two processes (gloo) -------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ddp_two_processes(tmp_path) -> None:
+    port, procs = _free_port(), []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(REPO), str(Path(__file__).parent)]))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(Path(M.__file__)), str(tmp_path)], env=env, cwd=tmp_path,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
+    plain, swap = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "swap.pt")
+    assert all(torch.equal(plain[k], swap[k]) for k in plain)
+
+
+@pytest.mark.slow
+def test_ddp_spawn_two_processes(tmp_path) -> None:
+    options = {"strategy": "ddp_spawn", "devices": 2, "max_steps": 3}
+    plain = M.fit(tmp_path / "plain", **options)
+    swapped = M.fit(tmp_path / "swap", [SwapOptimizerCallback(M.LOOPBACK)], **options)
+    assert_same(plain, swapped)

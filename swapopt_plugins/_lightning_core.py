@@ -1,0 +1,347 @@
+"""What the Lightning callbacks do, with no Lightning import.
+
+``swapopt_plugins.lightning`` builds one thin ``Callback`` class per Lightning package
+(``pytorch_lightning`` and ``lightning.pytorch``); both delegate to ``SwapCallbackCore``.
+Nothing here computes: it decides when the optimizer swap is installed, re-offloaded and
+removed, when an activation-offload session opens and closes, and where an
+auto-registered callback takes its configuration from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from swapopt_core import (
+    OffloadConfig,
+    OffloadSession,
+    SwapOptimizerConfig,
+    is_swap_optimizer,
+    offload_optimizer_state,
+    swap_optimizer,
+    unswap_optimizer,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AUTO_ENV", "SwapCallbackCore", "auto_enabled", "config_from_env"]
+
+AUTO_ENV = "SWAPOPT_LIGHTNING_AUTO"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+_STATE_VERSION = 1
+_BATCH_START = -1  # session key of windows opened at a batch start (else: the index stepped)
+
+
+# ---- configuration from the environment ----------------------------------------------------
+
+
+def _flag(name: str, raw: str, *, allow_none: bool = False) -> bool | None:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE and not (allow_none and value == ""):
+        return False
+    if allow_none and value in ("", "auto", "none"):
+        return None
+    accepted = [*_TRUE, *_FALSE[:-1], *(["auto", "none"] if allow_none else [])]
+    raise ValueError(f"{name}={raw!r} is not understood. Accepted values: {accepted}.")
+
+
+def _int(name: str, raw: str, *, minimum: int) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"{name}={raw!r} is not valid. Accepted values: integers >= {minimum}.")
+    return value
+
+
+def auto_enabled(environ: Mapping[str, str]) -> bool:
+    """Whether ``SWAPOPT_LIGHTNING_AUTO`` asks for auto-registration.
+
+    Raises:
+        ValueError: The variable holds something other than a yes/no word.
+    """
+    return bool(_flag(AUTO_ENV, environ.get(AUTO_ENV, "")))
+
+
+def _runtime_names() -> list[str]:
+    from swapopt_core import get_plugin_manager
+    from swapopt_core._plugins import runtime_classes
+
+    return sorted({"auto", *runtime_classes(get_plugin_manager())})
+
+
+def config_from_env(
+    environ: Mapping[str, str],
+) -> tuple[SwapOptimizerConfig, OffloadConfig | None]:
+    """The callback's configuration from ``SWAPOPT_*`` environment variables.
+
+    Reads ``SWAPOPT_SWAP_TIMES``, ``SWAPOPT_MIN_NUMEL``, ``SWAPOPT_PACKED_SWAP`` (yes/no/auto),
+    ``SWAPOPT_RUNTIME`` and ``SWAPOPT_ACTIVATION_BUDGET_MB`` (unset: no activation offload).
+    Unset variables keep ``SwapOptimizerConfig``'s defaults.
+
+    Returns:
+        The optimizer-swap config and the activation-offload config (or None).
+
+    Raises:
+        ValueError: A variable holds a value outside the accepted ones; the message names
+            the variable, the value and what is accepted.
+    """
+    fields: dict[str, Any] = {}
+    if (raw := environ.get("SWAPOPT_SWAP_TIMES", "").strip()) != "":
+        fields["swap_times"] = _int("SWAPOPT_SWAP_TIMES", raw, minimum=1)
+    if (raw := environ.get("SWAPOPT_MIN_NUMEL", "").strip()) != "":
+        fields["min_numel"] = _int("SWAPOPT_MIN_NUMEL", raw, minimum=0)
+    if (raw := environ.get("SWAPOPT_PACKED_SWAP", "").strip()) != "":
+        fields["packed_swap"] = _flag("SWAPOPT_PACKED_SWAP", raw, allow_none=True)
+    runtime = environ.get("SWAPOPT_RUNTIME", "").strip().lower() or "auto"
+    if runtime not in (names := _runtime_names()):
+        raise ValueError(
+            f"SWAPOPT_RUNTIME={environ['SWAPOPT_RUNTIME']!r} is not a runtime. "
+            f"Accepted values: {names}."
+        )
+    fields["runtime"] = runtime
+    offload = None
+    if (raw := environ.get("SWAPOPT_ACTIVATION_BUDGET_MB", "").strip()) != "":
+        try:
+            budget = float(raw)
+        except ValueError:
+            budget = -1.0
+        if not budget >= 0 or budget == float("inf"):
+            raise ValueError(
+                f"SWAPOPT_ACTIVATION_BUDGET_MB={raw!r} is not valid. Accepted values: a "
+                "finite number of MiB >= 0, or unset for no activation offload."
+            )
+        # The activation runtime follows the optimizer's when it names one OffloadConfig knows.
+        offload = OffloadConfig(
+            max_resident_activation_mb=budget,
+            runtime=runtime if runtime in ("cuda", "loopback") else "auto",
+        )
+    return SwapOptimizerConfig(**fields), offload
+
+
+# ---- the callback's logic ------------------------------------------------------------------
+
+
+def _check_type(name: str, value: object, expected: type) -> None:
+    if value is not None and not isinstance(value, expected):
+        raise TypeError(
+            f"SwapOptimizerCallback({name}=...) must be a {expected.__name__} or None, got "
+            f"{value!r}. Pass e.g. {name}={expected.__name__}(...), or None for the default."
+        )
+
+
+class SwapCallbackCore:
+    """State and decisions of ``SwapOptimizerCallback``, shared by both Lightning packages.
+
+    Args:
+        config: How optimizer state is swapped. Default: ``SwapOptimizerConfig()``.
+        activation_offload: When given, each optimizer step's forward and backward run
+            inside one ``OffloadSession`` with this config. Default: None (no offload).
+        auto: Created by the entry-point factory rather than by the user.
+
+    Raises:
+        TypeError: ``config`` or ``activation_offload`` has the wrong type.
+    """
+
+    def __init__(
+        self,
+        config: SwapOptimizerConfig | None = None,
+        activation_offload: OffloadConfig | None = None,
+        *,
+        auto: bool = False,
+    ) -> None:
+        _check_type("config", config, SwapOptimizerConfig)
+        _check_type("activation_offload", activation_offload, OffloadConfig)
+        self.config = SwapOptimizerConfig() if config is None else config
+        self.activation_offload = activation_offload
+        self.auto = auto
+        self.active = True
+        self.rank_zero = True
+        self.optimizer_steps = 0
+        self.reoffloaded_tensors = 0
+        self.offload_sessions: dict[int, OffloadSession] = {}
+        self._reset_run()
+
+    def _reset_run(self) -> None:
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._installed: list[torch.optim.Optimizer] = []
+        self._handles: list[Any] = []
+        self._open: OffloadSession | None = None
+        self._window_key = _BATCH_START
+        self._in_batch = False
+        self._automatic = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # NOTE: ddp_spawn pickles callbacks into the workers; hooks and sessions stay here.
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        state["offload_sessions"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_run()
+
+    def _say(self, message: str, *args: object) -> None:
+        if self.rank_zero:
+            logger.info(message, *args)
+
+    # ---- fit start -------------------------------------------------------------------------
+
+    @staticmethod
+    def refusal(strategy: object) -> str | None:
+        """Why ``strategy`` cannot be served, or None when it can."""
+        names = {cls.__name__ for cls in type(strategy).__mro__}
+        if "DeepSpeedStrategy" in names:
+            zero = (getattr(strategy, "config", None) or {}).get("zero_optimization", {})
+            offloads = [
+                key for key in ("offload_optimizer", "offload_param")
+                if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"
+            ]
+            already = f" and already offloads it ({', '.join(offloads)})" if offloads else ""
+            return (
+                f"SwapOptimizerCallback cannot run with {type(strategy).__name__}: DeepSpeed "
+                f"keeps the optimizer state inside its own ZeRO optimizer{already}. Use "
+                "DeepSpeedStrategy(offload_optimizer=True) without this callback, or keep the "
+                "callback and train with strategy='ddp' or FSDP without cpu_offload."
+            )
+        cpu_offload = getattr(strategy, "cpu_offload", None)
+        if "FSDPStrategy" in names and (
+            cpu_offload is True or getattr(cpu_offload, "offload_params", False)
+        ):
+            return (
+                f"SwapOptimizerCallback cannot run with {type(strategy).__name__}(cpu_offload="
+                f"{cpu_offload!r}): FSDP already keeps parameters, gradients and optimizer state "
+                "in host memory and steps there, so nothing is left on the device to swap. "
+                "Remove the callback, or set cpu_offload=False so the callback swaps only the "
+                "optimizer state."
+            )
+        return None
+
+    def install(
+        self,
+        optimizers: Iterable[torch.optim.Optimizer],
+        *,
+        automatic: bool,
+        rank_zero: bool,
+    ) -> None:
+        """Swap every optimizer of this fit (those swapped by the user already are kept)."""
+        self.remove()
+        self._automatic, self.rank_zero = automatic, rank_zero
+        self._optimizers = list(optimizers)
+        self.offload_sessions = {}
+        for opt in self._optimizers:
+            if is_swap_optimizer(opt):
+                self._say("swapopt: %s is already swapped; keeping it", type(opt).__name__)
+            elif is_swap_optimizer(swap_optimizer(opt, self.config)):
+                self._installed.append(opt)
+            if self.activation_offload is not None:
+                self._handles.append(opt.register_step_post_hook(self._after_step))
+        self._say(
+            "swapopt: optimizer swap on %d of %d optimizers (%s)%s",
+            len(self._installed), len(self._optimizers), self.config,
+            f"; activation offload {self.activation_offload}" if self.activation_offload else "",
+        )
+
+    def reoffload(self) -> int:
+        """Take state a checkpoint restore moved to the device back into host memory."""
+        moved = sum(offload_optimizer_state(opt) for opt in self._installed)
+        self.reoffloaded_tensors += moved
+        if moved:
+            self._say("swapopt: moved %d restored state tensors to host memory", moved)
+        return moved
+
+    # ---- activation-offload windows --------------------------------------------------------
+
+    def _enter(self) -> None:
+        if self.activation_offload is None or self._open is not None or not self.active:
+            return
+        # NOTE: one session per kind of window, so each replays the same ops: the window
+        # opened at a batch start, and in manual optimization the one after each optimizer.
+        session = self.offload_sessions.get(self._window_key)
+        if session is None:
+            session = OffloadSession(self.activation_offload)
+            self.offload_sessions[self._window_key] = session
+        session.__enter__()
+        self._open = session
+
+    def close_window(self, exc: BaseException | None = None) -> None:
+        """Leave the open session, if any (with ``exc`` it plans nothing)."""
+        session, self._open = self._open, None
+        if session is not None:
+            if exc is None:
+                session.__exit__(None, None, None)
+            else:
+                session.__exit__(type(exc), exc, exc.__traceback__)
+
+    def batch_start(self) -> None:
+        """A training batch begins: open a window unless one is open (accumulation)."""
+        self._in_batch = True
+        self._window_key = _BATCH_START
+        self._enter()
+
+    def before_optimizer_step(self) -> None:
+        """Backward of the window is done: the step itself runs outside the session."""
+        self.optimizer_steps += 1
+        self.close_window()
+
+    def _after_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # Manual optimization steps inside training_step: the code after this step (the
+        # next optimizer's forward and backward) is the next window.
+        if not self._automatic and self._in_batch:
+            index = next((i for i, o in enumerate(self._optimizers) if o is opt), None)
+            self._window_key = _BATCH_START if index is None else index
+            self._enter()
+
+    def batch_end(self, *, window_done: bool) -> None:
+        """A training batch ended; an unfinished accumulation window stays open."""
+        self._in_batch = False
+        if not self._automatic or window_done:
+            self.close_window()
+
+    # ---- removal and state -----------------------------------------------------------------
+
+    def remove(self, exc: BaseException | None = None) -> None:
+        """Close any session, remove the hooks and unswap what this callback installed."""
+        try:
+            self.close_window(exc)
+        finally:
+            errors: list[BaseException] = []
+            for handle in self._handles:
+                handle.remove()
+            for opt in self._installed:
+                try:
+                    unswap_optimizer(opt)
+                except Exception as error:  # one failure must not leave the others swapped
+                    errors.append(error)
+            self._reset_run()
+            if errors and exc is None:
+                raise errors[0]
+            for error in errors:
+                logger.warning("swapopt: unswap failed while handling an error: %r", error)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data only (checkpoints load with ``weights_only=True``)."""
+        offload = self.activation_offload
+        return {
+            "version": _STATE_VERSION,
+            "config": dataclasses.asdict(self.config),
+            "activation_offload": None if offload is None else dataclasses.asdict(offload),
+            "optimizer_steps": self.optimizer_steps,
+            "reoffloaded_tensors": self.reoffloaded_tensors,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the counters; the configuration given at construction stays in force."""
+        self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
+        self.reoffloaded_tensors = int(state_dict.get("reoffloaded_tensors", 0))
+        saved = state_dict.get("config")
+        if saved is not None and saved != dataclasses.asdict(self.config):
+            self._say("swapopt: checkpoint was written with %s; now using %s", saved, self.config)

@@ -274,11 +274,11 @@ def test_auto_registration(tmp_path, monkeypatch) -> None:
     ("name", "value", "accepted"),
     [
         ("SWAPOPT_LIGHTNING_AUTO", "maybe", "'1', 'true'"),
-        ("SWAPOPT_SWAP_TIMES", "0", "integers >= 1"),
-        ("SWAPOPT_MIN_NUMEL", "lots", "integers >= 0"),
-        ("SWAPOPT_PACKED_SWAP", "sometimes", "'auto', 'none'"),
+        ("SWAPOPT_SWAP_TIMES", "0", "an integer >= 1"),
+        ("SWAPOPT_MIN_NUMEL", "lots", "an integer >= 0"),
+        ("SWAPOPT_PACKED_SWAP", "sometimes", "'auto' (runtime default) or a boolean"),
         ("SWAPOPT_RUNTIME", "tpu", "'loopback'"),
-        ("SWAPOPT_ACTIVATION_BUDGET_MB", "-4", "number of MiB >= 0"),
+        ("SWAPOPT_ACTIVATION_BUDGET_MB", "-4", "a number of MiB >= 0"),
     ],
 )
 def test_invalid_env(tmp_path, monkeypatch, name, value, accepted) -> None:

@@ -25,6 +25,7 @@ from swapopt_core import (
     swap_optimizer,
     unswap_optimizer,
 )
+from swapopt_plugins._env import offload_config_kwargs, resolve_settings, swap_config_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -40,42 +41,21 @@ _BATCH_START = -1  # session key of windows opened at a batch start (else: the i
 # ---- configuration from the environment ----------------------------------------------------
 
 
-def _flag(name: str, raw: str, *, allow_none: bool = False) -> bool | None:
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE and not (allow_none and value == ""):
-        return False
-    if allow_none and value in ("", "auto", "none"):
-        return None
-    accepted = [*_TRUE, *_FALSE[:-1], *(["auto", "none"] if allow_none else [])]
-    raise ValueError(f"{name}={raw!r} is not understood. Accepted values: {accepted}.")
-
-
-def _int(name: str, raw: str, *, minimum: int) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise ValueError(f"{name}={raw!r} is not valid. Accepted values: integers >= {minimum}.")
-    return value
-
-
 def auto_enabled(environ: Mapping[str, str]) -> bool:
     """Whether ``SWAPOPT_LIGHTNING_AUTO`` asks for auto-registration.
 
     Raises:
         ValueError: The variable holds something other than a yes/no word.
     """
-    return bool(_flag(AUTO_ENV, environ.get(AUTO_ENV, "")))
-
-
-def _runtime_names() -> list[str]:
-    from swapopt_core import get_plugin_manager
-    from swapopt_core._plugins import runtime_classes
-
-    return sorted({"auto", *runtime_classes(get_plugin_manager())})
+    raw = environ.get(AUTO_ENV, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(
+        f"{AUTO_ENV}={environ[AUTO_ENV]!r} is not understood. "
+        f"Accepted values: {[*_TRUE, *_FALSE[:-1]]}."
+    )
 
 
 def config_from_env(
@@ -84,8 +64,9 @@ def config_from_env(
     """The callback's configuration from ``SWAPOPT_*`` environment variables.
 
     Reads ``SWAPOPT_SWAP_TIMES``, ``SWAPOPT_MIN_NUMEL``, ``SWAPOPT_PACKED_SWAP`` (yes/no/auto),
-    ``SWAPOPT_RUNTIME`` and ``SWAPOPT_ACTIVATION_BUDGET_MB`` (unset: no activation offload).
-    Unset variables keep ``SwapOptimizerConfig``'s defaults.
+    ``SWAPOPT_RUNTIME`` and ``SWAPOPT_ACTIVATION_BUDGET_MB`` (unset: no activation offload),
+    with the parsing every integration shares (``swapopt_plugins._env``). Unset variables keep
+    ``SwapOptimizerConfig``'s defaults.
 
     Returns:
         The optimizer-swap config and the activation-offload config (or None).
@@ -94,37 +75,12 @@ def config_from_env(
         ValueError: A variable holds a value outside the accepted ones; the message names
             the variable, the value and what is accepted.
     """
-    fields: dict[str, Any] = {}
-    if (raw := environ.get("SWAPOPT_SWAP_TIMES", "").strip()) != "":
-        fields["swap_times"] = _int("SWAPOPT_SWAP_TIMES", raw, minimum=1)
-    if (raw := environ.get("SWAPOPT_MIN_NUMEL", "").strip()) != "":
-        fields["min_numel"] = _int("SWAPOPT_MIN_NUMEL", raw, minimum=0)
-    if (raw := environ.get("SWAPOPT_PACKED_SWAP", "").strip()) != "":
-        fields["packed_swap"] = _flag("SWAPOPT_PACKED_SWAP", raw, allow_none=True)
-    runtime = environ.get("SWAPOPT_RUNTIME", "").strip().lower() or "auto"
-    if runtime not in (names := _runtime_names()):
-        raise ValueError(
-            f"SWAPOPT_RUNTIME={environ['SWAPOPT_RUNTIME']!r} is not a runtime. "
-            f"Accepted values: {names}."
-        )
-    fields["runtime"] = runtime
-    offload = None
-    if (raw := environ.get("SWAPOPT_ACTIVATION_BUDGET_MB", "").strip()) != "":
-        try:
-            budget = float(raw)
-        except ValueError:
-            budget = -1.0
-        if not budget >= 0 or budget == float("inf"):
-            raise ValueError(
-                f"SWAPOPT_ACTIVATION_BUDGET_MB={raw!r} is not valid. Accepted values: a "
-                "finite number of MiB >= 0, or unset for no activation offload."
-            )
-        # The activation runtime follows the optimizer's when it names one OffloadConfig knows.
-        offload = OffloadConfig(
-            max_resident_activation_mb=budget,
-            runtime=runtime if runtime in ("cuda", "loopback") else "auto",
-        )
-    return SwapOptimizerConfig(**fields), offload
+    settings = resolve_settings({}, owner="SwapOptimizerCallback", environ=environ)
+    offload = offload_config_kwargs(settings)
+    return (
+        SwapOptimizerConfig(**swap_config_kwargs(settings)),
+        None if offload is None else OffloadConfig(**offload),
+    )
 
 
 # ---- the callback's logic ------------------------------------------------------------------

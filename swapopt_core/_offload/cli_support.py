@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pluggy
 from rich.console import Group
@@ -59,28 +60,26 @@ def _read(flag: str, path: str, what: str) -> str:
         ) from None
 
 
-def read_trace(path: str, flag: str = "--trace") -> ActivationTrace:
-    """The trace in ``path``, as written by ``ActivationTrace.to_json()``."""
+def _parse(path: str, flag: str, what: str, writer: str, parse: Any) -> Any:
     try:
-        text = _read(flag, path, "a trace saved with ActivationTrace.to_json()")
-        return ActivationTrace.from_json(text)
+        return parse(_read(flag, path, f"{what} written by {writer}"))
     except ValueError as error:
         raise CommandError(
-            f"{flag} {path}: not an activation trace ({error}). Pass a file written by "
-            "ActivationTrace.to_json() (OffloadSession.trace); docs/formats.md has the schema."
+            f"{flag} {path}: not {what} ({error}). Pass a file written by {writer}; "
+            "docs/formats.md has the schema."
         ) from None
+
+
+def read_trace(path: str, flag: str = "--trace") -> ActivationTrace:
+    """The trace in ``path``, as written by ``ActivationTrace.to_json()``."""
+    return _parse(path, flag, "an activation trace",
+                  "ActivationTrace.to_json() (OffloadSession.trace)", ActivationTrace.from_json)
 
 
 def read_schedule(path: str, flag: str = "--schedule") -> ResidencySchedule:
     """The schedule in ``path``, as written by ``ResidencySchedule.to_json()``."""
-    try:
-        text = _read(flag, path, "a schedule written by `swapopt plan`")
-        return ResidencySchedule.from_json(text)
-    except ValueError as error:
-        raise CommandError(
-            f"{flag} {path}: not a residency schedule ({error}). Pass a file written by "
-            "`swapopt plan` or ResidencySchedule.to_json(); docs/formats.md has the schema."
-        ) from None
+    return _parse(path, flag, "a residency schedule",
+                  "`swapopt plan` or ResidencySchedule.to_json()", ResidencySchedule.from_json)
 
 
 def simulate_checked(trace: ActivationTrace, schedule: ResidencySchedule | None, path: str,

@@ -8,12 +8,16 @@ stream; a release waits for the copies still using the storage.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
-import weakref
 from typing import Any
 
 import torch
+
+from swapopt_core._pinned import alloc_pinned
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ActivationRuntime", "CudaActivationRuntime", "byte_view"]
 
@@ -86,13 +90,10 @@ class CudaActivationRuntime(ActivationRuntime):
         self.h2d = torch.cuda.Stream(device=device)
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
-        # Exact size: the pinned caching allocator would round up to a power of two.
-        host = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            cudart = torch.cuda.cudart()
-            if int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 1)) == 0:
-                weakref.finalize(host.untyped_storage(), cudart.cudaHostUnregister,
-                                 host.data_ptr())
+        host, error = alloc_pinned(nbytes, torch.uint8)
+        if error:
+            logger.warning("cudaHostRegister failed (cudaError %d); offloaded activations "
+                           "use pageable memory, so copies will not overlap.", error)
         return host
 
     def _issue(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,

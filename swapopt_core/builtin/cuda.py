@@ -8,18 +8,17 @@ out is only reused by copy-stream work queued after that copy, which needs no ho
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from swapopt_core._pinned import alloc_pinned
 from swapopt_core._runtime import CopyPair, TransferRuntime
 from swapopt_core.hookspecs import hookimpl
 
 logger = logging.getLogger(__name__)
 
 _Ticket = list[tuple[torch.device, "torch.cuda.Event"]]
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 class CudaRuntime(TransferRuntime):
@@ -43,26 +42,18 @@ class CudaRuntime(TransferRuntime):
         return stream
 
     def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        # NOTE: torch's pinned allocator rounds every block up to a power of two (a 20 GiB
-        # request pins 32 GiB). Page-lock an ordinary allocation in place instead.
-        host = torch.empty(numel, dtype=dtype)
-        nbytes = host.untyped_storage().nbytes()
-        if nbytes and not self._register_failed:
-            cudart = torch.cuda.cudart()
-            # Portable: the pages count as pinned for every device's context.
-            error = int(cudart.cudaHostRegister(host.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
-            if error == 0:
-                # Unregister only once the storage and every view of it are gone.
-                weakref.finalize(host.untyped_storage(), cudart.cudaHostUnregister,
-                                 host.data_ptr())
-                self._count_host(host)
-            else:
-                self._register_failed = True
-                logger.warning(
-                    "cudaHostRegister failed (cudaError %d); swapped state uses pageable host "
-                    "memory, so copies will not overlap with compute.",
-                    error,
-                )
+        if self._register_failed:
+            return torch.empty(numel, dtype=dtype)
+        host, error = alloc_pinned(numel, dtype)
+        if error == 0:
+            self._count_host(host)
+        else:
+            self._register_failed = True
+            logger.warning(
+                "cudaHostRegister failed (cudaError %d); swapped state uses pageable host "
+                "memory, so copies will not overlap with compute.",
+                error,
+            )
         return host
 
     def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

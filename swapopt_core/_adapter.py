@@ -25,6 +25,8 @@ class OptimizerAdapter(ABC):
 
     #: Human-readable family name, used in error messages (e.g. ``"torch.optim.Adam"``).
     family: ClassVar[str]
+    #: The tensor library of the family (``"torch"``; MindSpore adapters say ``"mindspore"``).
+    framework: ClassVar[str] = "torch"
     #: Every state key the family can own; ``SwapOptimizerConfig.state_keys`` must be a subset.
     state_key_names: ClassVar[tuple[str, ...]]
     #: Whether the family keeps master weights that ``include_master_params`` could swap.

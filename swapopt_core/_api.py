@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import pluggy
 import torch
@@ -11,6 +12,8 @@ import torch
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._engine import SwapEngine, engine_of
 from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._mindspore import is_mindspore_optimizer
+from swapopt_core._mindspore.engine import MindSporeSwapEngine
 from swapopt_core._plugins import get_plugin_manager, optimizer_adapters, runtime_classes
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core._state import local_tensor
@@ -29,26 +32,29 @@ __all__ = [
 _warned_cpu_auto = False
 
 
-def _param_devices(optimizer: torch.optim.Optimizer) -> set[torch.device]:
+def _param_devices(optimizer: Any) -> set[str]:
+    """Device types of the parameters (``"cuda"``, ``"cpu"``; MindSpore ``"Ascend"``, ``"CPU"``)."""
+    if is_mindspore_optimizer(optimizer):
+        return {str(p.device).split(":")[0] for p in optimizer._parameters}
     return {
-        local_tensor(p).device for group in optimizer.param_groups for p in group["params"]
+        local_tensor(p).device.type for group in optimizer.param_groups for p in group["params"]
     }
 
 
 def _pick_runtime(
-    optimizer: torch.optim.Optimizer, config: SwapOptimizerConfig, manager: pluggy.PluginManager
+    optimizer: Any, config: SwapOptimizerConfig, manager: pluggy.PluginManager, framework: str
 ) -> TransferRuntime | None:
-    runtimes = runtime_classes(manager)
+    runtimes = runtime_classes(manager, framework)
     if config.runtime != "auto":
         chosen = runtimes.get(config.runtime)
         if chosen is None:
             raise ValueError(
-                f"SwapOptimizerConfig.runtime={config.runtime!r} is not a registered runtime. "
-                f"Choose one of {sorted(['auto', *runtimes])}, or register a plugin that "
-                "provides it (swapopt_register_runtimes)."
+                f"SwapOptimizerConfig.runtime={config.runtime!r} is not a registered {framework} "
+                f"runtime. Choose one of {sorted(['auto', *runtimes])}, or register a plugin "
+                "that provides it (swapopt_register_runtimes)."
             )
         return chosen()
-    types = {device.type for device in _param_devices(optimizer)}
+    types = _param_devices(optimizer)
     matching = {
         name: cls for name, cls in runtimes.items() if set(cls.device_types) & types
     }
@@ -60,6 +66,41 @@ def _pick_runtime(
     if not matching:
         return None
     return next(iter(matching.values()))()
+
+
+def _pick_adapter(
+    optimizer: Any, config: SwapOptimizerConfig, manager: pluggy.PluginManager, framework: str
+) -> Any:
+    """The adapter serving ``optimizer``, after checking the config against its family."""
+    adapters = optimizer_adapters(manager, framework)
+    adapter = next((a for a in adapters if a.matches(optimizer)), None)
+    if adapter is None:
+        families = sorted({a.family for a in adapters})
+        raise SwapOptError(
+            f"swapopt cannot swap {type(optimizer).__module__}.{type(optimizer).__qualname__}. "
+            f"Supported {framework} optimizer families: {', '.join(families)}. A plugin adds a "
+            "family by implementing swapopt_register_optimizer_adapters (see docs/plugins.md)."
+        )
+    if config.state_keys is not None:
+        unknown = [k for k in config.state_keys if k not in adapter.state_key_names]
+        if unknown:
+            raise ValueError(
+                f"SwapOptimizerConfig.state_keys has {unknown} that {adapter.family} does not "
+                f"keep. Choose from {list(adapter.state_key_names)}, or None for all."
+            )
+    has_masters = (
+        adapter.masters(optimizer) is not None
+        if framework == "mindspore"
+        else adapter.has_master_params
+    )
+    if config.include_master_params and not has_masters:
+        raise ValueError(
+            f"SwapOptimizerConfig.include_master_params=True, but this {adapter.family} keeps "
+            "no master weights (it updates the model parameters directly). Leave "
+            "include_master_params=False."
+        )
+    adapter.validate(optimizer)
+    return adapter
 
 
 def swap_optimizer(
@@ -76,8 +117,10 @@ def swap_optimizer(
     standard format and loads into the same optimizer without swapopt.
 
     Args:
-        optimizer: A ``torch.optim.Optimizer`` of a family some plugin serves (built in:
-            ``torch.optim.Adam`` and ``torch.optim.AdamW``).
+        optimizer: A ``torch.optim.Optimizer`` or a MindSpore optimizer Cell of a family
+            some plugin serves (built in: ``torch.optim.Adam``, ``torch.optim.AdamW``,
+            ``mindspore.nn.Adam``, ``mindspore.nn.AdamWeightDecay`` and MindFormers'
+            ``AdamW``; MindSpore in PyNative mode, where ``opt(grads)`` runs the swap).
         config: How to swap. Default: ``SwapOptimizerConfig()``.
         plugin_manager: Where to look up runtimes and optimizer families. Default: the
             process-wide ``get_plugin_manager()``.
@@ -100,9 +143,10 @@ def swap_optimizer(
     config = SwapOptimizerConfig() if config is None else config
     if not isinstance(config, SwapOptimizerConfig):
         raise TypeError(f"config must be a SwapOptimizerConfig, got {type(config).__name__}.")
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer) and not is_mindspore_optimizer(optimizer):
         raise TypeError(
-            f"swap_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}. "
+            "swap_optimizer needs a torch.optim.Optimizer or a MindSpore optimizer Cell, got "
+            f"{type(optimizer).__name__}. "
             "Pass the optimizer itself, not a framework wrapper (e.g. use "
             "lightning_optimizer.optimizer or accelerated_optimizer.optimizer)."
         )
@@ -115,41 +159,22 @@ def swap_optimizer(
             "Call unswap_optimizer(optimizer) before installing another config."
         )
     manager = get_plugin_manager() if plugin_manager is None else plugin_manager
-    adapters = optimizer_adapters(manager)
-    adapter = next((a for a in adapters if a.matches(optimizer)), None)
-    if adapter is None:
-        families = sorted({a.family for a in adapters})
-        raise SwapOptError(
-            f"swapopt cannot swap {type(optimizer).__module__}.{type(optimizer).__qualname__}. "
-            f"Supported optimizer families: {', '.join(families)}. A plugin adds a family by "
-            "implementing swapopt_register_optimizer_adapters (see docs/plugins.md)."
-        )
-    if config.state_keys is not None:
-        unknown = [k for k in config.state_keys if k not in adapter.state_key_names]
-        if unknown:
-            raise ValueError(
-                f"SwapOptimizerConfig.state_keys has {unknown} that {adapter.family} does not "
-                f"keep. Choose from {list(adapter.state_key_names)}, or None for all."
-            )
-    if config.include_master_params and not adapter.has_master_params:
-        raise ValueError(
-            f"SwapOptimizerConfig.include_master_params=True, but {adapter.family} keeps no "
-            "master weights. Leave include_master_params=False."
-        )
-    adapter.validate(optimizer)
-    runtime = _pick_runtime(optimizer, config, manager)
+    framework = "mindspore" if is_mindspore_optimizer(optimizer) else "torch"
+    adapter = _pick_adapter(optimizer, config, manager, framework)
+    runtime = _pick_runtime(optimizer, config, manager, framework)
     if runtime is None:
         if not _warned_cpu_auto:
             _warned_cpu_auto = True
             warnings.warn(
                 "swap_optimizer(runtime='auto') found no accelerator for the parameters "
-                f"(devices: {sorted(str(d) for d in _param_devices(optimizer))}), so nothing "
+                f"(devices: {sorted(_param_devices(optimizer))}), so nothing "
                 "is swapped. Use runtime='loopback' to exercise the swap on CPU.",
                 SwapOptWarning,
                 stacklevel=2,
             )
         return optimizer
-    engine = SwapEngine(optimizer, config, adapter, runtime, manager)
+    engine_class = MindSporeSwapEngine if framework == "mindspore" else SwapEngine
+    engine = engine_class(optimizer, config, adapter, runtime, manager)
     engine.install()
     logger.info(
         "swapopt installed on %s: runtime=%s packed=%s swap_times=%d; %d existing state "
@@ -194,6 +219,8 @@ def offload_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
     engine = engine_of(optimizer)
     if engine is None:
         return 0
+    if isinstance(engine, MindSporeSwapEngine):
+        return engine.offload()
     ours = {id(slot.value) for slot in engine.slots.values()}  # alive: ids are unique
     moved = sum(
         1

@@ -8,6 +8,7 @@ import importlib.metadata
 import logging
 import os
 import warnings
+from typing import Any
 
 import pluggy
 
@@ -79,8 +80,10 @@ def get_plugin_manager() -> pluggy.PluginManager:
     return new_plugin_manager()
 
 
-def runtime_classes(manager: pluggy.PluginManager) -> dict[str, type[TransferRuntime]]:
-    """Runtime classes by name; a name registered twice is an error naming both."""
+def runtime_classes(
+    manager: pluggy.PluginManager, framework: str = "torch"
+) -> dict[str, type[TransferRuntime]]:
+    """Runtime classes of ``framework`` by name; a name registered twice is an error."""
     found: dict[str, type[TransferRuntime]] = {}
     for batch in manager.hook.swapopt_register_runtimes():
         for runtime in batch:
@@ -89,10 +92,12 @@ def runtime_classes(manager: pluggy.PluginManager) -> dict[str, type[TransferRun
                     f"A plugin registered {runtime!r} as a runtime; swapopt_register_runtimes "
                     "must return subclasses of swapopt_core.TransferRuntime."
                 )
+            if runtime.framework != framework:
+                continue
             other = found.get(runtime.name)
             if other is not None and other is not runtime:
                 raise SwapOptError(
-                    f"Two plugins register a runtime named {runtime.name!r}: "
+                    f"Two plugins register a {framework} runtime named {runtime.name!r}: "
                     f"{other.__module__}.{other.__qualname__} and "
                     f"{runtime.__module__}.{runtime.__qualname__}. Unregister one of them."
                 )
@@ -100,17 +105,21 @@ def runtime_classes(manager: pluggy.PluginManager) -> dict[str, type[TransferRun
     return found
 
 
-def optimizer_adapters(manager: pluggy.PluginManager) -> list[OptimizerAdapter]:
-    """Adapters in the order they are asked: later-registered plugins first."""
-    adapters: list[OptimizerAdapter] = []
+def optimizer_adapters(manager: pluggy.PluginManager, framework: str = "torch") -> list[Any]:
+    """Adapters of ``framework`` in the order they are asked: later-registered plugins first."""
+    from swapopt_core._mindspore.adapter import MindSporeAdapter
+
+    adapters: list[Any] = []
     for batch in manager.hook.swapopt_register_optimizer_adapters():
         for adapter in batch:
-            if not isinstance(adapter, OptimizerAdapter):
+            if not isinstance(adapter, (OptimizerAdapter, MindSporeAdapter)):
                 raise SwapOptError(
                     f"A plugin registered {adapter!r} as an optimizer adapter; "
-                    "swapopt_register_optimizer_adapters must return OptimizerAdapter instances."
+                    "swapopt_register_optimizer_adapters must return OptimizerAdapter (or, for "
+                    "MindSpore, MindSporeAdapter) instances."
                 )
-            adapters.append(adapter)
+            if adapter.framework == framework:
+                adapters.append(adapter)
     return adapters
 
 

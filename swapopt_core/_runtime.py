@@ -28,8 +28,11 @@ class TransferRuntime(ABC):
             page locking, the bytes it set aside as the host tier).
     """
 
-    #: Name selected by ``SwapOptimizerConfig.runtime``.
+    #: Name selected by ``SwapOptimizerConfig.runtime``; unique within ``framework``.
     name: ClassVar[str]
+    #: The tensor library this runtime moves (``"torch"`` or ``"mindspore"``). Tensors,
+    #: dtypes and devices in the methods below are that library's.
+    framework: ClassVar[str] = "torch"
     #: Device types that ``runtime="auto"`` picks this runtime for.
     device_types: ClassVar[tuple[str, ...]] = ()
     #: Whether ``packed_swap=None`` means packed for this runtime.

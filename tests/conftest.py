@@ -4,6 +4,8 @@ bitwise comparison of two optimizers."""
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +13,9 @@ import torch
 from torch import nn
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats
+
+# MindFormers writes its logs under ./output at import; keep them out of the checkout.
+os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="swapopt-mindformers-"))
 
 
 class SmallNet(nn.Module):

@@ -81,7 +81,8 @@ def test_sparse_gradients_are_refused_before_anything_moves() -> None:
 
 def test_unknown_runtime_lists_the_registered_ones() -> None:
     opt = torch.optim.Adam(_params())
-    with pytest.raises(ValueError, match=r"runtime='tpu' is not a registered runtime.*'loopback'"):
+    match = r"runtime='tpu' is not a registered torch runtime.*'loopback'"
+    with pytest.raises(ValueError, match=match):
         swap_optimizer(opt, SwapOptimizerConfig(runtime="tpu"))
 
 

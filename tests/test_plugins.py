@@ -91,9 +91,16 @@ def test_builtins_are_registered_as_plugins(plugin_manager: pluggy.PluginManager
         "swapopt_core.builtin.loopback",
         "swapopt_core.builtin.cuda",
         "swapopt_core.builtin.torch_adam",
+        "swapopt_core._mindspore.plugin",
     } <= names
-    runtimes = [r.name for batch in plugin_manager.hook.swapopt_register_runtimes() for r in batch]
-    assert sorted(runtimes) == ["cuda", "loopback"]
+    runtimes = [
+        (r.framework, r.name)
+        for batch in plugin_manager.hook.swapopt_register_runtimes()
+        for r in batch
+    ]
+    assert sorted(runtimes) == [
+        ("mindspore", "ascend"), ("mindspore", "loopback"), ("torch", "cuda"), ("torch", "loopback")
+    ]
 
 
 def test_every_hook_is_prefixed_and_documented() -> None:
@@ -178,7 +185,7 @@ class _DuplicateRuntimePlugin:
 def test_duplicate_runtime_names_are_refused(plugin_manager: pluggy.PluginManager) -> None:
     plugin_manager.register(_DuplicateRuntimePlugin())
     opt = torch.optim.Adam(_model().parameters())
-    with pytest.raises(SwapOptError, match="Two plugins register a runtime named 'loopback'"):
+    with pytest.raises(SwapOptError, match="Two plugins register a torch runtime named 'loopback'"):
         swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback"), plugin_manager=plugin_manager)
 
 

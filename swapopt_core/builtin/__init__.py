@@ -5,4 +5,5 @@ DEFAULT_PLUGINS = (
     "swapopt_core.builtin.cuda",
     "swapopt_core.builtin.torch_adam",
     "swapopt_core.builtin.timed_planner",
+    "swapopt_core._mindspore.plugin",
 )

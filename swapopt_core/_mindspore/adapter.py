@@ -1,0 +1,87 @@
+"""The interface a MindSpore optimizer family implements to be swapped.
+
+A MindSpore optimizer is a Cell whose ``construct(gradients)`` runs a once-per-step
+preamble (learning rate, weight decay, global step, bias-correction powers) and then one
+update primitive per parameter. The engine replaces ``construct``: it asks the adapter for
+the preamble once, then runs the family's own per-parameter update batch by batch, with the
+swapped state Parameters replaced by device views. Nothing here imports MindSpore at module
+import time, so the plugin costs nothing where MindSpore is absent.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from swapopt_core._errors import SwapOptError
+
+__all__ = ["MindSporeAdapter", "qualified_names"]
+
+
+def qualified_names(obj: object) -> set[str]:
+    """``module.QualName`` of ``obj``'s class and every base class."""
+    return {f"{cls.__module__}.{cls.__qualname__}" for cls in type(obj).__mro__}
+
+
+class MindSporeAdapter(ABC):
+    """Knows one MindSpore optimizer family: its state Parameters, preamble and update."""
+
+    #: Human-readable family name, used in error messages.
+    family: ClassVar[str]
+    framework: ClassVar[str] = "mindspore"
+    #: Every state key the family can own; ``SwapOptimizerConfig.state_keys`` must be a subset.
+    state_key_names: ClassVar[tuple[str, ...]]
+    #: ``module.QualName`` of the classes served; subclasses are served too.
+    classes: ClassVar[tuple[str, ...]]
+
+    def matches(self, optimizer: Any) -> bool:
+        """Whether this adapter serves ``optimizer``."""
+        return bool(qualified_names(optimizer) & set(self.classes))
+
+    def validate(self, optimizer: Any) -> None:
+        """Raise for flags of ``optimizer`` that the swap cannot honour."""
+        if getattr(optimizer, "use_parallel", False):
+            raise SwapOptError(
+                f"{self.family} was built with the parallel optimizer (use_parallel=True), "
+                "which shards and broadcasts state itself; swapopt cannot swap it. Turn the "
+                "parallel optimizer off or leave this optimizer unswapped."
+            )
+
+    @abstractmethod
+    def state(self, optimizer: Any) -> dict[str, Sequence[Any]]:
+        """Per state key, the optimizer-owned Parameters in ``optimizer._parameters`` order."""
+
+    def masters(self, optimizer: Any) -> Sequence[Any] | None:
+        """The fp32 master weights the update runs on, if the optimizer keeps any."""
+        return None
+
+    @abstractmethod
+    def prepare(self, optimizer: Any, gradients: tuple[Any, ...]) -> Any:
+        """Run the once-per-step preamble exactly as ``construct`` would; return its values.
+
+        Advances the optimizer's global step (and whatever else the family advances once
+        per step). The engine calls it once per step, also when the step is resumed.
+        """
+
+    def steps(self, optimizer: Any, index: int) -> bool:
+        """Whether parameter ``index`` is updated at all (``optim_filter``)."""
+        return bool(optimizer.optim_filter[index])
+
+    @abstractmethod
+    def update(
+        self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]
+    ) -> Any:
+        """Update parameter ``index`` with the family's own primitive.
+
+        ``states`` maps every state key to the tensor to update in place: a device view
+        for swapped keys, the optimizer's own Parameter otherwise.
+
+        Returns:
+            What the family's ``construct`` returns for this parameter.
+        """
+
+    @staticmethod
+    def per_parameter(values: Any, grouped: bool, index: int) -> Any:
+        """``values[index]`` for per-group values (learning rate, weight decay), else ``values``."""
+        return values[index] if grouped else values

@@ -1,0 +1,192 @@
+"""Built-in MindSpore families: ``nn.Adam``, ``nn.AdamWeightDecay``, MindFormers ``AdamW``.
+
+Each replays its optimizer's ``construct`` preamble and calls the very primitive (or
+per-parameter function) that ``construct`` maps over the parameters, so the swapped update
+is the unswapped one, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from swapopt_core._errors import SwapOptError
+from swapopt_core._mindspore.adapter import MindSporeAdapter
+
+__all__ = ["MindFormersAdamWAdapter", "NnAdamAdapter", "NnAdamWeightDecayAdapter"]
+
+
+def _step_global(optimizer: Any) -> None:
+    from mindspore.ops import functional as F
+
+    F.assign_add(optimizer.global_step, optimizer.global_step_increase_tensor)
+
+
+def _dense(gradients: tuple[Any, ...], family: str) -> None:
+    from mindspore import Tensor
+
+    for position, grad in enumerate(gradients):
+        if not isinstance(grad, Tensor):
+            raise SwapOptError(
+                f"gradients[{position}] is a {type(grad).__name__}; {family} under swapopt "
+                "needs dense Tensor gradients. Use dense gradients or leave it unswapped."
+            )
+
+
+class NnAdamAdapter(MindSporeAdapter):
+    """``mindspore.nn.Adam`` (with or without amsgrad)."""
+
+    family = "mindspore.nn.Adam"
+    classes = ("mindspore.nn.optim.adam.Adam",)
+    state_key_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def validate(self, optimizer: Any) -> None:
+        super().validate(optimizer)
+        if optimizer.use_lazy:
+            raise SwapOptError(
+                "mindspore.nn.Adam(use_lazy=True) updates only the rows of sparse gradients, "
+                "on the host; swapopt cannot swap it. Build it with use_lazy=False."
+            )
+        if optimizer.use_offload:
+            raise SwapOptError(
+                "mindspore.nn.Adam(use_offload=True) already keeps its state and update on "
+                "the host; swapping on top would only add copies. Use one of the two: "
+                "use_offload=False with swapopt, or use_offload=True alone."
+            )
+
+    def state(self, optimizer: Any) -> dict[str, Sequence[Any]]:
+        found = {"exp_avg": optimizer.moment1, "exp_avg_sq": optimizer.moment2}
+        if optimizer.use_amsgrad:
+            found["max_exp_avg_sq"] = optimizer.vhat
+        return found
+
+    def prepare(self, optimizer: Any, gradients: tuple[Any, ...]) -> Any:
+        from mindspore.ops import functional as F
+
+        gradients = optimizer.decay_weight(gradients)
+        gradients = optimizer.gradients_centralization(gradients)
+        gradients = optimizer.scale_grad(gradients)
+        gradients = optimizer._grad_sparse_indices_deduplicate(gradients)
+        _dense(gradients, self.family)
+        lr = optimizer.get_lr()
+        _step_global(optimizer)
+        beta1_power = optimizer.beta1_power * optimizer.beta1
+        F.assign(optimizer.beta1_power, beta1_power)
+        beta2_power = optimizer.beta2_power * optimizer.beta2
+        F.assign(optimizer.beta2_power, beta2_power)
+        return gradients, lr, beta1_power, beta2_power
+
+    def steps(self, optimizer: Any, index: int) -> bool:
+        return True  # construct maps the update over every parameter
+
+    def update(
+        self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]
+    ) -> Any:
+        gradients, lr, beta1_power, beta2_power = prepared
+        lr = self.per_parameter(lr, optimizer.is_group_lr, index)
+        param = optimizer._parameters[index]
+        tail = (beta1_power, beta2_power, lr, optimizer.beta1, optimizer.beta2, optimizer.eps,
+                gradients[index])
+        if optimizer.use_amsgrad:
+            return optimizer.opt(param, states["exp_avg"], states["exp_avg_sq"],
+                                 states["max_exp_avg_sq"], *tail)
+        return optimizer.opt(param, states["exp_avg"], states["exp_avg_sq"], *tail)
+
+
+class NnAdamWeightDecayAdapter(MindSporeAdapter):
+    """``mindspore.nn.AdamWeightDecay`` (fused or not) and its subclasses (AdamW aliases)."""
+
+    family = "mindspore.nn.AdamWeightDecay"
+    classes = ("mindspore.nn.optim.adam.AdamWeightDecay",)
+    state_key_names = ("exp_avg", "exp_avg_sq")
+
+    def state(self, optimizer: Any) -> dict[str, Sequence[Any]]:
+        return {"exp_avg": optimizer.moments1, "exp_avg_sq": optimizer.moments2}
+
+    def prepare(self, optimizer: Any, gradients: tuple[Any, ...]) -> Any:
+        _dense(gradients, self.family)
+        weight_decay = optimizer.get_weight_decay()
+        lr = optimizer.get_lr()
+        _step_global(optimizer)
+        return gradients, lr, weight_decay
+
+    def update(
+        self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]
+    ) -> Any:
+        from mindspore.nn.optim.adam import _adam_opt
+        from mindspore.ops import functional as F
+        from mindspore.ops import operations as P
+
+        gradients, lr, weight_decay = prepared
+        lr = self.per_parameter(lr, optimizer.is_group_lr, index)
+        weight_decay = self.per_parameter(weight_decay, optimizer.is_group, index)
+        param, decay = optimizer._parameters[index], optimizer.decay_flags[index]
+        m, v = states["exp_avg"], states["exp_avg_sq"]
+        if optimizer.use_fused_opt:
+            optimizer.fused_opt(param, m, v, lr, optimizer.beta1, optimizer.beta2, optimizer.eps,
+                                weight_decay if decay else 0.0,
+                                P.Cast()(gradients[index], F.dtype(param)))
+            return True
+        return _adam_opt(optimizer.beta1, optimizer.beta2, optimizer.eps, lr, weight_decay,
+                         param, m, v, gradients[index], decay, optimizer.optim_filter[index])
+
+
+class MindFormersAdamWAdapter(MindSporeAdapter):
+    """MindFormers' AdamW (``mindformers.core.optim.adamw.AdamW``, mindformers 1.9).
+
+    Optimizers of this family that keep fp32 master weights in ``fp32_params`` (the
+    layout of MindFormers' later mixed-precision AdamW) run the update on the master and
+    cast it into the model parameter; ``include_master_params`` swaps those masters too.
+    """
+
+    family = "mindformers AdamW"
+    classes = ("mindformers.core.optim.adamw.AdamW",)
+    state_key_names = ("exp_avg", "exp_avg_sq")
+
+    def validate(self, optimizer: Any) -> None:
+        super().validate(optimizer)
+        if getattr(optimizer, "swap", False):
+            raise SwapOptError(
+                "This MindFormers AdamW was built with swap=True, so MindFormers already keeps "
+                "its state on the CPU (graph mode). Use one of the two: drop `swap: True` from "
+                "the optimizer config to use swapopt, or leave it unswapped."
+            )
+
+    def state(self, optimizer: Any) -> dict[str, Sequence[Any]]:
+        return {"exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
+
+    def masters(self, optimizer: Any) -> Sequence[Any] | None:
+        masters = getattr(optimizer, "fp32_params", None)
+        if masters is None:
+            return None
+        params = optimizer._parameters
+        if all(m is p for m, p in zip(masters, params, strict=True)):
+            return None
+        return masters
+
+    def prepare(self, optimizer: Any, gradients: tuple[Any, ...]) -> Any:
+        _dense(gradients, self.family)
+        weight_decay = optimizer.get_weight_decay()
+        lr = optimizer.get_lr()
+        _step_global(optimizer)
+        return gradients, lr, weight_decay
+
+    def update(
+        self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]
+    ) -> Any:
+        from mindformers.core.optim.adamw import _adamw_opt
+        from mindspore.ops import functional as F
+
+        gradients, lr, weight_decay = prepared
+        param = optimizer._parameters[index]
+        target = states.get("master_param", param)
+        result = _adamw_opt(
+            optimizer.beta1, optimizer.beta2, optimizer.eps, optimizer.global_step,
+            self.per_parameter(lr, optimizer.is_group_lr, index),
+            self.per_parameter(weight_decay, optimizer.is_group, index),
+            target, gradients[index], states["exp_avg"], states["exp_avg_sq"],
+            optimizer.optim_filter[index],
+        )
+        if target is not param:
+            F.assign(param, F.cast(target, F.dtype(param)))
+        return result

@@ -1,0 +1,29 @@
+"""The MindSpore backend as a plugin: its runtimes and optimizer families.
+
+Registered by default like every built-in. It imports MindSpore only when an optimizer of
+one of its families is swapped, so it costs nothing where MindSpore is not installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from swapopt_core._mindspore.adapter import MindSporeAdapter
+from swapopt_core._mindspore.families import (
+    MindFormersAdamWAdapter,
+    NnAdamAdapter,
+    NnAdamWeightDecayAdapter,
+)
+from swapopt_core._mindspore.runtime import MindSporeAscendRuntime, MindSporeLoopbackRuntime
+from swapopt_core._runtime import TransferRuntime
+from swapopt_core.hookspecs import hookimpl
+
+
+@hookimpl
+def swapopt_register_runtimes() -> Iterable[type[TransferRuntime]]:
+    return [MindSporeLoopbackRuntime, MindSporeAscendRuntime]
+
+
+@hookimpl
+def swapopt_register_optimizer_adapters() -> Iterable[MindSporeAdapter]:
+    return [NnAdamAdapter(), NnAdamWeightDecayAdapter(), MindFormersAdamWAdapter()]

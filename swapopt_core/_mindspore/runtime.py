@@ -1,0 +1,215 @@
+"""Transfer runtimes for MindSpore: the CPU loopback and a small Ascend runtime.
+
+A runtime hands out buffers (host: between steps; device: while a batch is staged) and
+carves ``mindspore.Tensor`` views out of them; the swapped state Parameters hold host views
+between steps. On CPU a buffer is a numpy array, which every view keeps alive, so memory is
+freed exactly when the last view of it is dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from swapopt_core._runtime import TransferRuntime
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["MindSporeAscendRuntime", "MindSporeLoopbackRuntime", "MindSporeRuntime"]
+
+
+class MindSporeRuntime(TransferRuntime):
+    """A runtime whose tensors are ``mindspore.Tensor`` objects.
+
+    Beyond ``TransferRuntime`` it knows how to carve a view out of a device buffer (packed
+    staging) and whether it can (``views_at_offset``), and how to put host values on the
+    device for good (``to_device``, used when the swap is removed).
+    """
+
+    framework = "mindspore"
+    #: Whether ``view`` can start at a non-zero offset, which packed staging needs.
+    views_at_offset: ClassVar[bool] = True
+
+    def _count(self, host: np.ndarray) -> None:
+        """Count ``host`` in ``pinned_bytes`` until it (and every view of it) is freed."""
+        nbytes = int(host.nbytes)
+        self.pinned_bytes += nbytes
+        weakref.finalize(host, self._uncount_host, nbytes)
+
+    def view(self, buffer: Any, offset: int, numel: int, shape: tuple[int, ...]) -> Any:
+        """A tensor of ``shape`` over ``buffer[offset:offset + numel]`` sharing its memory."""
+        from mindspore import Tensor
+
+        return Tensor.from_numpy(buffer[offset : offset + numel].reshape(shape))
+
+    def release_device(self, tensor: Any) -> None:
+        """Nothing to do: device memory is returned when its last view is dropped."""
+
+    def to_device(self, host: Any, device: str) -> Any:
+        """A new device tensor holding ``host``'s values."""
+        from mindspore import Tensor
+
+        return Tensor.from_numpy(host.asnumpy().copy())
+
+    def copy_in(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
+        for device_tensor, host_tensor in pairs:
+            device_tensor.copy_(host_tensor)
+        return None
+
+    def copy_out(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
+        for device_tensor, host_tensor in pairs:
+            host_tensor.copy_(device_tensor)
+        return None
+
+    def wait(self, ticket: Any) -> None:
+        return None
+
+
+class MindSporeLoopbackRuntime(MindSporeRuntime):
+    """CPU tensors play the device, separate CPU buffers the host.
+
+    Every copy is a real ``Tensor.copy_`` queued in MindSpore's executor, and every staged
+    buffer is a fresh allocation that is freed when its batch leaves, so the whole engine
+    runs on CPU. Never picked by ``runtime="auto"``.
+    """
+
+    name = "loopback"
+    device_types = ()
+
+    def accepts(self, device: Any) -> bool:
+        return str(device).upper().startswith("CPU")
+
+    # Copies are plain memcpy through numpy views of the same memory: MindSpore's CPU
+    # ``Tensor.copy_`` runs elementwise and costs about 150x a memcpy (4 MB: 16 ms).
+
+    def copy_in(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
+        import numpy
+
+        self.synchronize()  # the packed layout may still be writing the host buffer
+        for device_tensor, host_tensor in pairs:
+            numpy.copyto(device_tensor.asnumpy(), host_tensor.asnumpy())
+        return None
+
+    def copy_out(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
+        import numpy
+
+        self.synchronize()  # the batch's update kernels must have written the device views
+        for device_tensor, host_tensor in pairs:
+            numpy.copyto(host_tensor.asnumpy(), device_tensor.asnumpy())
+        return None
+
+    def alloc_host(self, numel: int, dtype: Any) -> Any:
+        host = _empty(numel, dtype)
+        self._count(host)
+        return host
+
+    def alloc_device(self, numel: int, dtype: Any, device: Any) -> Any:
+        return _empty(numel, dtype)
+
+    def synchronize(self) -> None:
+        from mindspore.common.api import _pynative_executor
+
+        # The host buffers are read through numpy (checkpoints, stats), outside the queue.
+        _pynative_executor.sync()
+
+
+class MindSporeAscendRuntime(MindSporeRuntime):
+    """Ascend NPUs: pinned host tensors, one copy stream, events as tickets.
+
+    Written against MindSpore 2.9's ``mindspore.runtime`` stream and event API and
+    ``Tensor.pin_memory``; no Ascend device was available where it was written, so it
+    stays minimal: per-tensor staging only (device views at an offset are not relied on).
+    """
+
+    name = "ascend"
+    device_types = ("Ascend",)
+    packed_default = False
+    views_at_offset = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stream: Any = None
+
+    @property
+    def stream(self) -> Any:
+        if self._stream is None:
+            import mindspore as ms
+
+            self._stream = ms.runtime.Stream()
+        return self._stream
+
+    def accepts(self, device: Any) -> bool:
+        return str(device).startswith("Ascend")
+
+    def alloc_host(self, numel: int, dtype: Any) -> Any:
+        from mindspore import Tensor
+
+        host = Tensor.from_numpy(_empty(numel, dtype)).pin_memory()
+        self.pinned_bytes += int(host.nbytes)  # kept for the optimizer's lifetime
+        return host
+
+    def alloc_device(self, numel: int, dtype: Any, device: Any) -> Any:
+        from mindspore import mint
+
+        return mint.empty((numel,), dtype=dtype, device="Ascend")
+
+    def view(self, buffer: Any, offset: int, numel: int, shape: tuple[int, ...]) -> Any:
+        if offset:
+            raise ValueError("the ascend runtime gives views of whole buffers only")
+        return buffer.view(shape)
+
+    def to_device(self, host: Any, device: str) -> Any:
+        return host.to("Ascend")
+
+    def _on_stream(self, pairs: Sequence[tuple[Any, Any]], inward: bool) -> Any:
+        import mindspore as ms
+
+        ready = ms.runtime.Event()
+        # The copy must not start before the compute queued so far (for copies out: the update).
+        ready.record(ms.runtime.current_stream())
+        self.stream.wait_event(ready)
+        with ms.runtime.StreamCtx(self.stream):
+            for device_tensor, host_tensor in pairs:
+                if inward:
+                    device_tensor.copy_(host_tensor, non_blocking=True)
+                else:
+                    host_tensor.copy_(device_tensor, non_blocking=True)
+        done = ms.runtime.Event()
+        # The ticket: compute that reads the copied-in batch waits on it.
+        done.record(self.stream)
+        return done
+
+    def copy_in(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
+        return self._on_stream(pairs, inward=True)
+
+    def copy_out(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
+        return self._on_stream(pairs, inward=False)
+
+    def wait(self, ticket: Any) -> None:
+        if ticket is not None:
+            import mindspore as ms
+
+            # The update reads the batch only once its copy in has landed.
+            ms.runtime.current_stream().wait_event(ticket)
+
+    def synchronize(self) -> None:
+        # The host copies are the optimizer's public state: final when the step returns.
+        self.stream.synchronize()
+
+
+def _empty(numel: int, dtype: Any) -> np.ndarray:
+    """An uninitialised 1-D host array of exactly ``numel`` items of MindSpore ``dtype``."""
+    import numpy
+
+    return numpy.empty(numel, dtype=numpy_dtype(dtype))
+
+
+@functools.cache
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype MindSpore uses for ``dtype`` on the host (bfloat16 included)."""
+    from mindspore import mint
+
+    return mint.empty((0,), dtype=dtype).asnumpy().dtype

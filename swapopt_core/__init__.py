@@ -10,6 +10,7 @@ from swapopt_core._api import (
 )
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._mindspore import MindSporeAdapter
 from swapopt_core._offload.config import OffloadConfig
 from swapopt_core._offload.ir import ActivationTrace, ResidencySchedule
 from swapopt_core._offload.planning import ResidencyPlanner
@@ -22,6 +23,7 @@ from swapopt_core.hookspecs import hookimpl
 __all__ = [
     "ActivationTrace",
     "CopyPair",
+    "MindSporeAdapter",
     "OffloadConfig",
     "OffloadSession",
     "OffloadStats",

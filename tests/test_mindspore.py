@@ -394,3 +394,24 @@ def test_auto_on_cpu_parameters_installs_nothing_and_says_so(monkeypatch):
     assert not is_swap_optimizer(opt)
     assert any(issubclass(w.category, SwapOptWarning) and "CPU" in str(w.message)
                for w in caught)
+
+
+def _train(swap: SwapOptimizerConfig | None, steps: int = 6) -> tuple[list[np.ndarray], object]:
+    ms.set_seed(0)
+    net = nn.SequentialCell([nn.Dense(32, 64), nn.ReLU(), nn.Dense(64, 4)])
+    opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-2, weight_decay=0.01)
+    if swap is not None:
+        swap_optimizer(opt, swap)
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        step(Tensor(rng.standard_normal((8, 32)).astype(np.float32)),
+             Tensor(rng.standard_normal((8, 4)).astype(np.float32)))
+    return [p.asnumpy() for p in net.trainable_params()], opt
+
+
+def test_train_one_step_cell_drives_the_swapped_optimizer():
+    plain, _ = _train(None)
+    swapped, opt = _train(config(swap_times=2))
+    assert all(np.array_equal(a, b) for a, b in zip(plain, swapped, strict=True))
+    assert swap_stats(opt).steps == 6

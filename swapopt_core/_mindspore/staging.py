@@ -2,7 +2,8 @@
 
 A slot is one optimizer-owned state Parameter (``moment1[i]``, ``exp_avg[i]``, ...). Between
 steps its data is ``host``, a CPU tensor; during its batch the update works on a device
-view that ``MsPerTensorStaging`` or ``MsPackedStaging`` provides.
+view that ``MsPerTensorStaging`` (a buffer per slot) or ``MsPackedStaging`` (one host buffer
+per dtype for all slots, one device buffer per dtype per batch, one copy each) provides.
 """
 
 from __future__ import annotations
@@ -68,14 +69,26 @@ class MsStaged:
     copy_bytes: int = 0
 
 
-class MsPerTensorStaging:
-    """Each slot gets its own device buffer for the time its batch is on the device."""
-
-    packed = False
+class _Staging:
+    """Device buffers owned by a staged batch, freed when it is unstaged."""
 
     def __init__(self, runtime: MindSporeRuntime, residency: Residency) -> None:
         self.runtime = runtime
         self.residency = residency
+
+    def unstage(self, staged: MsStaged) -> None:
+        for flat, nbytes in staged.owned:
+            self.residency.sub(nbytes)
+            self.runtime.release_device(flat)
+        staged.owned.clear()
+        staged.views.clear()
+        staged.pairs.clear()
+
+
+class MsPerTensorStaging(_Staging):
+    """Each slot gets its own device buffer for the time its batch is on the device."""
+
+    packed = False
 
     def begin(self, batches: Sequence[Sequence[MsSlot]]) -> None:
         return None
@@ -96,20 +109,13 @@ class MsPerTensorStaging:
             raise
         return staged
 
-    def unstage(self, staged: MsStaged) -> None:
-        for flat, nbytes in staged.owned:
-            self.residency.sub(nbytes)
-            self.runtime.release_device(flat)
-        staged.owned.clear()
-        staged.views.clear()
-        staged.pairs.clear()
 
     def end(self) -> None:
         return None
 
 
-class MsPackedStaging:
-    """All slots of a dtype share one host buffer; batches alternate between two arenas."""
+class MsPackedStaging(_Staging):
+    """All slots of a dtype share one host buffer; a batch moves with one copy per dtype."""
 
     packed = True
 
@@ -119,13 +125,10 @@ class MsPackedStaging:
                 f"packed_swap=True needs device views at an offset, which the {runtime.name!r} "
                 "runtime does not provide. Set SwapOptimizerConfig(packed_swap=False)."
             )
-        self.runtime = runtime
-        self.residency = residency
+        super().__init__(runtime, residency)
         self.buffers: dict[Any, Any] = {}
         self._signature: tuple[int, ...] = ()
         self._regions: list[dict[Any, tuple[int, int]]] = []  # per batch: dtype -> lo, hi
-        self._arenas: list[dict[Any, Any]] = []
-        self._arena_bytes = 0
 
     def layout(self, slots: Sequence[MsSlot], publish: Callable[[MsSlot], None]) -> bool:
         """Pack ``slots`` (in layout order) into one host buffer per dtype if they changed.
@@ -164,50 +167,42 @@ class MsPackedStaging:
 
     def begin(self, batches: Sequence[Sequence[MsSlot]]) -> None:
         self._regions = []
-        widest: dict[Any, int] = {}
-        device = None
         for slots in batches:
             regions: dict[Any, tuple[int, int]] = {}
             for slot in slots:
                 end = slot.offset + slot.numel
                 lo, hi = regions.get(slot.dtype, (slot.offset, end))
                 regions[slot.dtype] = (min(lo, slot.offset), max(hi, end))
-                device = slot.device
-            for dtype, (lo, hi) in regions.items():
-                widest[dtype] = max(widest.get(dtype, 0), hi - lo)
             self._regions.append(regions)
-        if not widest:
-            return
-        itemsizes = {s.dtype: s.state.itemsize for b in batches for s in b}
-        self._arena_bytes = sum(n * itemsizes[d] for d, n in widest.items())
-        for _ in range(min(2, len(batches))):
-            arena = {d: self.runtime.alloc_device(n, d, device) for d, n in widest.items()}
-            self._arenas.append(arena)
-            self.residency.add(self._arena_bytes)
 
     def stage(self, index: int, slots: Sequence[MsSlot]) -> MsStaged:
+        """Give batch ``index`` one exact-size device buffer per dtype, its views and copies.
+
+        A buffer per batch (instead of two arenas sized for the widest batch) keeps the
+        device peak at the two largest neighbouring batches, even when one tensor dominates.
+        """
         staged = MsStaged()
-        arena = self._arenas[index % 2]
-        for dtype, (lo, hi) in self._regions[index].items():
-            region = self.runtime.view(arena[dtype], 0, hi - lo, (hi - lo,))
-            host = self.runtime.view(self.buffers[dtype], lo, hi - lo, (hi - lo,))
-            staged.pairs.append((region, host))
-            staged.copy_bytes += int(region.nbytes)
-            for slot in slots:
-                if slot.dtype == dtype:
-                    staged.views[slot] = self.runtime.view(
-                        arena[dtype], slot.offset - lo, slot.numel, slot.shape
-                    )
+        device = slots[0].device if slots else None
+        try:
+            for dtype, (lo, hi) in self._regions[index].items():
+                flat = self.runtime.alloc_device(hi - lo, dtype, device)
+                nbytes = (hi - lo) * next(s.state.itemsize for s in slots if s.dtype == dtype)
+                self.residency.add(nbytes)
+                staged.owned.append((flat, nbytes))
+                region = self.runtime.view(flat, 0, hi - lo, (hi - lo,))
+                host = self.runtime.view(self.buffers[dtype], lo, hi - lo, (hi - lo,))
+                staged.pairs.append((region, host))
+                staged.copy_bytes += nbytes
+                for slot in slots:
+                    if slot.dtype == dtype:
+                        staged.views[slot] = self.runtime.view(
+                            flat, slot.offset - lo, slot.numel, slot.shape
+                        )
+        except BaseException:
+            self.unstage(staged)
+            raise
         return staged
 
-    def unstage(self, staged: MsStaged) -> None:
-        staged.views.clear()
-        staged.pairs.clear()
 
     def end(self) -> None:
-        for arena in self._arenas:
-            self.residency.sub(self._arena_bytes)
-            for buffer in arena.values():
-                self.runtime.release_device(buffer)
-        self._arenas = []
         self._regions = []

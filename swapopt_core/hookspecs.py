@@ -44,7 +44,8 @@ class SwapOptSpecs:
         ``runtime="auto"`` picks it for.
 
         Returns:
-            Runtime classes, subclasses of ``swapopt_core.TransferRuntime``.
+            Runtime classes, subclasses of ``swapopt_core.TransferRuntime``; each serves the
+            optimizers of its ``framework`` (``"torch"`` or ``"mindspore"``).
         """
 
     @hookspec
@@ -56,7 +57,8 @@ class SwapOptSpecs:
         plugin can take over a family a built-in serves.
 
         Returns:
-            Instances of ``swapopt_core.OptimizerAdapter`` subclasses.
+            Instances of ``swapopt_core.OptimizerAdapter`` subclasses (torch optimizers) or of
+            ``swapopt_core.MindSporeAdapter`` subclasses (MindSpore optimizer Cells).
         """
 
     @hookspec
@@ -76,7 +78,10 @@ class SwapOptSpecs:
     def swapopt_on_install(
         self, optimizer: torch.optim.Optimizer, config: SwapOptimizerConfig
     ) -> None:
-        """Called after the swap was installed on ``optimizer`` and its state offloaded."""
+        """Called after the swap was installed on ``optimizer`` and its state offloaded.
+
+        ``optimizer`` is a torch optimizer or a MindSpore optimizer Cell.
+        """
 
     @hookspec
     def swapopt_after_step(self, optimizer: torch.optim.Optimizer, stats: SwapStats) -> None:

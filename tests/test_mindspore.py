@@ -72,6 +72,9 @@ def mf_adamw():
 FAMILIES = {
     "adam": lambda ps: nn.Adam(ps, learning_rate=1e-2, weight_decay=0.01),
     "adam-amsgrad-groups": lambda ps: nn.Adam(groups(ps), learning_rate=1e-2, use_amsgrad=True),
+    "adam-lossscale": lambda ps: nn.Adam(
+        ps, learning_rate=1e-2, weight_decay=0.01, loss_scale=128.0
+    ),
     "adamwd": lambda ps: nn.AdamWeightDecay(ps, learning_rate=1e-2, weight_decay=0.01),
     "adamwd-groups-schedule": lambda ps: nn.AdamWeightDecay(
         groups(ps), learning_rate=nn.CosineDecayLR(1e-4, 1e-2, 8), weight_decay=0.05

@@ -13,17 +13,16 @@ import torch
 
 from swapopt_core._adapter import OptimizerAdapter
 from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
 from swapopt_core._errors import SwapOptError
 from swapopt_core._partition import partition
 from swapopt_core._pipeline import run_pipeline
 from swapopt_core._runtime import TransferRuntime
-from swapopt_core._staging import PackedStaging, PerTensorStaging, Residency
+from swapopt_core._staging import PackedStaging, PerTensorStaging
 from swapopt_core._state import Slot, local_tensor, wrap_like
-from swapopt_core._stats import SwapStats
 
 logger = logging.getLogger(__name__)
 
-ENGINE_ATTR = "_swapopt_engine"
 
 
 @dataclass(eq=False)
@@ -40,13 +39,20 @@ class _Unit:
         return sum(slot.nbytes for slot in self.slots)
 
 
-class SwapEngine:
+class SwapEngine(EngineBase):
     """Keeps an optimizer's swappable state in host memory and runs its step as a pipeline.
 
     Installed through the optimizer's own hooks, so the object keeps its identity: the
     adapter silences the family's own update (``step`` still runs the closure and returns
     its loss, but finds no parameter to update), and a step post-hook runs the pipeline.
     """
+
+    packed_staging = PackedStaging
+    per_tensor_staging = PerTensorStaging
+    optimizer: torch.optim.Optimizer
+    adapter: OptimizerAdapter
+    staging: PackedStaging | PerTensorStaging
+    slots: dict[tuple[int, str], Slot]
 
     def __init__(
         self,
@@ -56,23 +62,7 @@ class SwapEngine:
         runtime: TransferRuntime,
         plugin_manager: pluggy.PluginManager,
     ) -> None:
-        self.optimizer = optimizer
-        self.config = config
-        self.adapter = adapter
-        self.runtime = runtime
-        self.plugin_manager = plugin_manager
-        self.residency = Residency()
-        packed = runtime.packed_default if config.packed_swap is None else config.packed_swap
-        self.staging: PackedStaging | PerTensorStaging = (
-            PackedStaging(runtime, self.residency)
-            if packed
-            else PerTensorStaging(runtime, self.residency)
-        )
-        self.slots: dict[tuple[int, str], Slot] = {}
-        self.h2d_bytes = 0
-        self.d2h_bytes = 0
-        self.steps = 0
-        self.last_batches = 0
+        super().__init__(optimizer, config, adapter, runtime, plugin_manager)
         self._handles: list[Any] = []
         self._pending_load: dict[tuple[int, str], torch.Tensor] = {}
         # Units finished by a step that was then interrupted, with the grad they used.
@@ -293,11 +283,7 @@ class SwapEngine:
                 self._finished.update(done)
                 raise
         self._finished.clear()
-        self.h2d_bytes += h2d
-        self.d2h_bytes += d2h
-        self.steps += 1
-        self.last_batches = len(batches)
-        self.plugin_manager.hook.swapopt_after_step(optimizer=opt, stats=self.stats())
+        self.finish_step(h2d, d2h, len(batches))
 
     def _already_done(self, unit: _Unit) -> bool:
         record = self._finished.get(id(unit.param))
@@ -398,27 +384,10 @@ class SwapEngine:
 
     # ---- reporting -----------------------------------------------------------------------
 
-    def stats(self) -> SwapStats:
-        slots = list(self.slots.values())
-        total = sum(slot.nbytes for slot in slots)
+    def host_state_bytes(self) -> int:
         if isinstance(self.staging, PackedStaging) and self.staging.buffers:
-            host = sum(b.numel() * b.element_size() for b in self.staging.buffers.values())
-        else:
-            host = total
-        return SwapStats(
-            total_state_bytes=total,
-            resident_state_bytes=self.residency.current,
-            peak_resident_state_bytes=self.residency.peak,
-            host_state_bytes=host,
-            pinned_host_bytes=self.runtime.pinned_bytes,
-            h2d_bytes=self.h2d_bytes,
-            d2h_bytes=self.d2h_bytes,
-            steps=self.steps,
-            swapped_tensors=len(slots),
-            batches=self.last_batches,
-            packed=self.staging.packed,
-            runtime=self.runtime.name,
-        )
+            return sum(b.numel() * b.element_size() for b in self.staging.buffers.values())
+        return super().host_state_bytes()
 
 
 def _layout_source(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -430,8 +399,8 @@ def _layout_source(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def engine_of(optimizer: object) -> SwapEngine | None:
-    """The engine installed on ``optimizer``, if any."""
+def engine_of(optimizer: object) -> EngineBase | None:
+    """The engine installed on ``optimizer`` (torch or MindSpore), if any."""
     return getattr(optimizer, ENGINE_ATTR, None)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ from swapopt_core._errors import SwapOptError
 from swapopt_core._runtime import CopyPair, TransferRuntime
 from swapopt_core._state import Slot, wrap_like
 
-__all__ = ["PackedStaging", "PerTensorStaging", "Residency", "Staged"]
+__all__ = ["PackedStaging", "PerTensorStaging", "Residency", "Staged", "plan_layout"]
 
 _ALIGN = 512  # bytes; every dtype section of an arena starts on this boundary
 
@@ -32,6 +33,40 @@ def _carve(buffer: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
     size = buffer.element_size()
     piece = buffer.untyped_storage()[offset * size : (offset + numel) * size]
     return torch.empty(0, dtype=buffer.dtype).set_(piece)
+
+
+def plan_layout(
+    slots: Sequence[Any], previous: tuple[int, ...], size: Callable[[Any], tuple[Any, int]]
+) -> tuple[tuple[int, ...], dict[Any, int]] | None:
+    """Whether packed ``slots`` need a new host layout, and its elements per dtype.
+
+    Args:
+        slots: The slots in layout order (each with ``offset`` and ``device``).
+        previous: The signature of the current layout.
+        size: ``(dtype, numel)`` of a slot.
+
+    Returns:
+        ``None`` when ``slots`` are laid out already; else the new signature and the number
+        of elements of each dtype.
+
+    Raises:
+        SwapOptError: The slots live on more than one device.
+    """
+    signature = tuple(id(slot) for slot in slots)
+    if signature == previous and all(s.offset >= 0 for s in slots):
+        return None
+    devices = {str(slot.device) for slot in slots}
+    if len(devices) > 1:
+        raise SwapOptError(
+            "packed_swap=True needs every swapped state on one device, but they live on "
+            f"{sorted(devices)}. Set SwapOptimizerConfig(packed_swap=False) to give each state "
+            "tensor its own storage."
+        )
+    totals: dict[Any, int] = {}
+    for slot in slots:
+        dtype, numel = size(slot)
+        totals[dtype] = totals.get(dtype, 0) + numel
+    return signature, totals
 
 
 @dataclass
@@ -122,19 +157,10 @@ class PackedStaging:
         Returns:
             Whether the layout was rebuilt.
         """
-        signature = tuple(id(slot) for slot in slots)
-        if signature == self._signature and all(s.offset >= 0 for s in slots):
+        plan = plan_layout(slots, self._signature, lambda s: (s.host.dtype, s.host.numel()))
+        if plan is None:
             return False
-        devices = {slot.device for slot in slots}
-        if len(devices) > 1:
-            raise SwapOptError(
-                "packed_swap=True needs every swapped state on one device, but they live on "
-                f"{sorted(str(d) for d in devices)}. Set SwapOptimizerConfig(packed_swap=False) "
-                "to give each state tensor its own storage."
-            )
-        totals: dict[torch.dtype, int] = {}
-        for slot in slots:
-            totals[slot.host.dtype] = totals.get(slot.host.dtype, 0) + slot.host.numel()
+        signature, totals = plan
         buffers = {dtype: self.runtime.alloc_host(n, dtype) for dtype, n in totals.items()}
         cursor = dict.fromkeys(totals, 0)
         for slot in slots:

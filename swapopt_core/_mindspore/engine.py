@@ -16,24 +16,29 @@ from typing import Any
 import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
 from swapopt_core._errors import SwapOptError
 from swapopt_core._mindspore.adapter import MindSporeAdapter
 from swapopt_core._mindspore.runtime import MindSporeRuntime
 from swapopt_core._mindspore.staging import MsPackedStaging, MsPerTensorStaging, MsSlot
 from swapopt_core._partition import partition
 from swapopt_core._pipeline import run_pipeline
-from swapopt_core._staging import Residency
-from swapopt_core._stats import SwapStats
 
 logger = logging.getLogger(__name__)
 
-ENGINE_ATTR = "_swapopt_engine"
 MASTER_KEY = "master_param"
 _FLOATS = ("Float16", "Float32", "Float64", "BFloat16")
 
 
-class MindSporeSwapEngine:
+class MindSporeSwapEngine(EngineBase):
     """Keeps a MindSpore optimizer's swappable state in host memory; pipelines its update."""
+
+    packed_staging = MsPackedStaging
+    per_tensor_staging = MsPerTensorStaging
+    adapter: MindSporeAdapter
+    runtime: MindSporeRuntime
+    staging: MsPackedStaging | MsPerTensorStaging
+    slots: dict[tuple[str, int], MsSlot]
 
     def __init__(
         self,
@@ -43,23 +48,7 @@ class MindSporeSwapEngine:
         runtime: MindSporeRuntime,
         plugin_manager: pluggy.PluginManager,
     ) -> None:
-        self.optimizer = optimizer
-        self.config = config
-        self.adapter = adapter
-        self.runtime = runtime
-        self.plugin_manager = plugin_manager
-        self.residency = Residency()
-        packed = runtime.packed_default if config.packed_swap is None else config.packed_swap
-        self.staging: MsPackedStaging | MsPerTensorStaging = (
-            MsPackedStaging(runtime, self.residency)
-            if packed
-            else MsPerTensorStaging(runtime, self.residency)
-        )
-        self.slots: dict[tuple[str, int], MsSlot] = {}
-        self.h2d_bytes = 0
-        self.d2h_bytes = 0
-        self.steps = 0
-        self.last_batches = 0
+        super().__init__(optimizer, config, adapter, runtime, plugin_manager)
         # An interrupted step: (gradient ids, preamble values, indices already updated).
         self._interrupted: tuple[tuple[int, ...], Any, set[int]] | None = None
 
@@ -203,11 +192,7 @@ class MindSporeSwapEngine:
         except BaseException:
             self._interrupted = (identity, prepared, done)
             raise
-        self.h2d_bytes += h2d
-        self.d2h_bytes += d2h
-        self.steps += 1
-        self.last_batches = len(batches)
-        self.plugin_manager.hook.swapopt_after_step(optimizer=opt, stats=self.stats())
+        self.finish_step(h2d, d2h, len(batches))
         return tuple(results)
 
     def _resident_states(self) -> dict[str, Sequence[Any]]:
@@ -228,22 +213,3 @@ class MindSporeSwapEngine:
                 "GRAPH_MODE. Call mindspore.set_context(mode=mindspore.PYNATIVE_MODE), or use "
                 "MindFormers' own `optimizer: {type: AdamW, swap: True}` for graph mode."
             )
-
-    # ---- reporting -----------------------------------------------------------------------
-
-    def stats(self) -> SwapStats:
-        total = sum(slot.nbytes for slot in self.slots.values())
-        return SwapStats(
-            total_state_bytes=total,
-            resident_state_bytes=self.residency.current,
-            peak_resident_state_bytes=self.residency.peak,
-            host_state_bytes=total,
-            pinned_host_bytes=self.runtime.pinned_bytes,
-            h2d_bytes=self.h2d_bytes,
-            d2h_bytes=self.d2h_bytes,
-            steps=self.steps,
-            swapped_tensors=len(self.slots),
-            batches=self.last_batches,
-            packed=self.staging.packed,
-            runtime=self.runtime.name,
-        )

@@ -93,15 +93,10 @@ class NnAdamAdapter(MindSporeAdapter):
         return optimizer.opt(param, states["exp_avg"], states["exp_avg_sq"], *tail)
 
 
-class NnAdamWeightDecayAdapter(MindSporeAdapter):
-    """``mindspore.nn.AdamWeightDecay`` (fused or not) and its subclasses (AdamW aliases)."""
+class _DecoupledDecay(MindSporeAdapter):
+    """Families whose preamble is weight decay, learning rate and the global step."""
 
-    family = "mindspore.nn.AdamWeightDecay"
-    classes = ("mindspore.nn.optim.adam.AdamWeightDecay",)
     state_key_names = ("exp_avg", "exp_avg_sq")
-
-    def state(self, optimizer: Any) -> dict[str, Sequence[Any]]:
-        return {"exp_avg": optimizer.moments1, "exp_avg_sq": optimizer.moments2}
 
     def prepare(self, optimizer: Any, gradients: tuple[Any, ...]) -> Any:
         _dense(gradients, self.family)
@@ -110,6 +105,25 @@ class NnAdamWeightDecayAdapter(MindSporeAdapter):
         _step_global(optimizer)
         return gradients, lr, weight_decay
 
+    def hyper(self, optimizer: Any, prepared: Any, index: int) -> tuple[Any, Any, Any]:
+        """Gradient, learning rate and weight decay of parameter ``index``."""
+        gradients, lr, weight_decay = prepared
+        return (
+            gradients[index],
+            self.per_parameter(lr, optimizer.is_group_lr, index),
+            self.per_parameter(weight_decay, optimizer.is_group, index),
+        )
+
+
+class NnAdamWeightDecayAdapter(_DecoupledDecay):
+    """``mindspore.nn.AdamWeightDecay`` (fused or not) and its subclasses (AdamW aliases)."""
+
+    family = "mindspore.nn.AdamWeightDecay"
+    classes = ("mindspore.nn.optim.adam.AdamWeightDecay",)
+
+    def state(self, optimizer: Any) -> dict[str, Sequence[Any]]:
+        return {"exp_avg": optimizer.moments1, "exp_avg_sq": optimizer.moments2}
+
     def update(
         self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]
     ) -> Any:
@@ -117,21 +131,18 @@ class NnAdamWeightDecayAdapter(MindSporeAdapter):
         from mindspore.ops import functional as F
         from mindspore.ops import operations as P
 
-        gradients, lr, weight_decay = prepared
-        lr = self.per_parameter(lr, optimizer.is_group_lr, index)
-        weight_decay = self.per_parameter(weight_decay, optimizer.is_group, index)
+        grad, lr, weight_decay = self.hyper(optimizer, prepared, index)
         param, decay = optimizer._parameters[index], optimizer.decay_flags[index]
         m, v = states["exp_avg"], states["exp_avg_sq"]
         if optimizer.use_fused_opt:
             optimizer.fused_opt(param, m, v, lr, optimizer.beta1, optimizer.beta2, optimizer.eps,
-                                weight_decay if decay else 0.0,
-                                P.Cast()(gradients[index], F.dtype(param)))
+                                weight_decay if decay else 0.0, P.Cast()(grad, F.dtype(param)))
             return True
         return _adam_opt(optimizer.beta1, optimizer.beta2, optimizer.eps, lr, weight_decay,
-                         param, m, v, gradients[index], decay, optimizer.optim_filter[index])
+                         param, m, v, grad, decay, optimizer.optim_filter[index])
 
 
-class MindFormersAdamWAdapter(MindSporeAdapter):
+class MindFormersAdamWAdapter(_DecoupledDecay):
     """MindFormers' AdamW (``mindformers.core.optim.adamw.AdamW``, mindformers 1.9).
 
     Optimizers of this family that keep fp32 master weights in ``fp32_params`` (the
@@ -141,7 +152,6 @@ class MindFormersAdamWAdapter(MindSporeAdapter):
 
     family = "mindformers AdamW"
     classes = ("mindformers.core.optim.adamw.AdamW",)
-    state_key_names = ("exp_avg", "exp_avg_sq")
 
     def validate(self, optimizer: Any) -> None:
         super().validate(optimizer)
@@ -164,27 +174,18 @@ class MindFormersAdamWAdapter(MindSporeAdapter):
             return None
         return masters
 
-    def prepare(self, optimizer: Any, gradients: tuple[Any, ...]) -> Any:
-        _dense(gradients, self.family)
-        weight_decay = optimizer.get_weight_decay()
-        lr = optimizer.get_lr()
-        _step_global(optimizer)
-        return gradients, lr, weight_decay
-
     def update(
         self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]
     ) -> Any:
         from mindformers.core.optim.adamw import _adamw_opt
         from mindspore.ops import functional as F
 
-        gradients, lr, weight_decay = prepared
+        grad, lr, weight_decay = self.hyper(optimizer, prepared, index)
         param = optimizer._parameters[index]
         target = states.get("master_param", param)
         result = _adamw_opt(
-            optimizer.beta1, optimizer.beta2, optimizer.eps, optimizer.global_step,
-            self.per_parameter(lr, optimizer.is_group_lr, index),
-            self.per_parameter(weight_decay, optimizer.is_group, index),
-            target, gradients[index], states["exp_avg"], states["exp_avg_sq"],
+            optimizer.beta1, optimizer.beta2, optimizer.eps, optimizer.global_step, lr,
+            weight_decay, target, grad, states["exp_avg"], states["exp_avg_sq"],
             optimizer.optim_filter[index],
         )
         if target is not param:

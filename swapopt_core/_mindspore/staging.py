@@ -14,7 +14,7 @@ from typing import Any
 
 from swapopt_core._errors import SwapOptError
 from swapopt_core._mindspore.runtime import MindSporeRuntime
-from swapopt_core._staging import Residency
+from swapopt_core._staging import Residency, plan_layout
 
 __all__ = ["MsPackedStaging", "MsPerTensorStaging", "MsSlot", "MsStaged"]
 
@@ -139,18 +139,10 @@ class MsPackedStaging(_Staging):
         Returns:
             Whether the layout was rebuilt.
         """
-        signature = tuple(id(slot) for slot in slots)
-        if signature == self._signature and all(s.offset >= 0 for s in slots):
+        plan = plan_layout(slots, self._signature, lambda s: (s.dtype, s.numel))
+        if plan is None:
             return False
-        devices = {slot.device for slot in slots}
-        if len(devices) > 1:
-            raise SwapOptError(
-                "packed_swap=True needs every swapped state on one device, but they live on "
-                f"{sorted(devices)}. Set SwapOptimizerConfig(packed_swap=False)."
-            )
-        totals: dict[Any, int] = {}
-        for slot in slots:
-            totals[slot.dtype] = totals.get(slot.dtype, 0) + slot.numel
+        signature, totals = plan
         buffers = {dtype: self.runtime.alloc_host(n, dtype) for dtype, n in totals.items()}
         cursor = dict.fromkeys(totals, 0)
         for slot in slots:

@@ -418,3 +418,12 @@ def test_train_one_step_cell_drives_the_swapped_optimizer():
     swapped, opt = _train(config(swap_times=2))
     assert all(np.array_equal(a, b) for a, b in zip(plain, swapped, strict=True))
     assert swap_stats(opt).steps == 6
+
+
+def test_the_ascend_runtime_warns_it_is_unverified_and_refuses_packed(monkeypatch):
+    monkeypatch.setattr("swapopt_core._mindspore.runtime._warned_unverified", False)
+    opt = nn.Adam(make_params())
+    with pytest.warns(SwapOptWarning, match="not been run on an Ascend device"), \
+            pytest.raises(SwapOptError, match="packed_swap=True needs device views"):
+        swap_optimizer(opt, config(runtime="ascend", packed_swap=True))
+    assert not is_swap_optimizer(opt)

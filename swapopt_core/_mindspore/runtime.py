@@ -9,16 +9,20 @@ freed exactly when the last view of it is dropped.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from swapopt_core._errors import SwapOptWarning
 from swapopt_core._runtime import TransferRuntime
 
 if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["MindSporeAscendRuntime", "MindSporeLoopbackRuntime", "MindSporeRuntime"]
+
+_warned_unverified = False
 
 
 class MindSporeRuntime(TransferRuntime):
@@ -119,9 +123,10 @@ class MindSporeLoopbackRuntime(MindSporeRuntime):
 class MindSporeAscendRuntime(MindSporeRuntime):
     """Ascend NPUs: pinned host tensors, one copy stream, events as tickets.
 
-    Written against MindSpore 2.9's ``mindspore.runtime`` stream and event API and
-    ``Tensor.pin_memory``; no Ascend device was available where it was written, so it
-    stays minimal: per-tensor staging only (device views at an offset are not relied on).
+    Written against MindSpore 2.9's ``mindspore.runtime`` stream and event API and pinned
+    ``mint.empty``; no Ascend device was available where it was written, so it stays
+    minimal (per-tensor staging only: device views at an offset are not relied on) and warns
+    once when it is first used.
     """
 
     name = "ascend"
@@ -132,6 +137,16 @@ class MindSporeAscendRuntime(MindSporeRuntime):
     def __init__(self) -> None:
         super().__init__()
         self._stream: Any = None
+        global _warned_unverified
+        if not _warned_unverified:
+            _warned_unverified = True
+            warnings.warn(
+                "swapopt's 'ascend' runtime has not been run on an Ascend device yet. Compare a "
+                "few steps against the unswapped optimizer (parameters should be bitwise equal) "
+                "and watch swap_stats before relying on it.",
+                SwapOptWarning,
+                stacklevel=4,
+            )
 
     @property
     def stream(self) -> Any:
@@ -145,9 +160,9 @@ class MindSporeAscendRuntime(MindSporeRuntime):
         return str(device).startswith("Ascend")
 
     def alloc_host(self, numel: int, dtype: Any) -> Any:
-        from mindspore import Tensor
+        from mindspore import mint
 
-        host = Tensor.from_numpy(_empty(numel, dtype)).pin_memory()
+        host = mint.empty((numel,), dtype=dtype, device="CPU", pin_memory=True)
         self.pinned_bytes += int(host.nbytes)  # kept for the optimizer's lifetime
         return host
 
@@ -162,7 +177,11 @@ class MindSporeAscendRuntime(MindSporeRuntime):
         return buffer.view(shape)
 
     def to_device(self, host: Any, device: str) -> Any:
-        return host.to("Ascend")
+        from mindspore import mint
+
+        local = mint.empty(tuple(host.shape), dtype=host.dtype, device="Ascend")
+        local.copy_(host)
+        return local
 
     def _on_stream(self, pairs: Sequence[tuple[Any, Any]], inward: bool) -> Any:
         import mindspore as ms

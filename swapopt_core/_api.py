@@ -178,9 +178,10 @@ def swap_optimizer(
     engine.install()
     logger.info(
         "swapopt installed on %s: runtime=%s packed=%s swap_times=%d; %d existing state "
-        "tensors offloaded, new state is created in host memory at its first step",
+        "tensors offloaded%s",
         type(optimizer).__name__, runtime.name, engine.staging.packed, config.swap_times,
         len(engine.slots),
+        "" if framework == "mindspore" else ", new state starts in host memory at its first step",
     )
     manager.hook.swapopt_on_install(optimizer=optimizer, config=config)
     return optimizer

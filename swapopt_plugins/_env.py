@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from swapopt_core import OffloadConfig, SwapOptimizerConfig, get_plugin_manager
+from swapopt_core._plugins import runtime_classes
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +79,8 @@ def _packed(value: object) -> bool | None:
 
 
 def _runtime_names() -> list[str]:
-    names = {"auto"}
-    for classes in get_plugin_manager().hook.swapopt_register_runtimes():
-        names.update(cls.name for cls in classes)
-    return sorted(names)
+    """``auto`` and the torch runtimes (Lightning and Accelerate train torch models)."""
+    return sorted({"auto", *runtime_classes(get_plugin_manager(), "torch")})
 
 
 def _runtime(value: object) -> str:

@@ -17,6 +17,22 @@ from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats
 # MindFormers writes its logs under ./output at import; keep them out of the checkout.
 os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="swapopt-mindformers-"))
 
+_ENV_BEFORE_MINDSPORE = dict(os.environ)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Undo what importing MindSpore (at collection) did to the environment.
+
+    It points ``LD_LIBRARY_PATH`` at its own bundled libraries; the torch worker processes
+    that later tests spawn would inherit that and load them (a rank once aborted at exit).
+    The variable only matters to processes started afterwards, so restoring it is safe.
+    """
+    for key in ("LD_LIBRARY_PATH", "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"):
+        if key in _ENV_BEFORE_MINDSPORE:
+            os.environ[key] = _ENV_BEFORE_MINDSPORE[key]
+        else:
+            os.environ.pop(key, None)
+
 
 class SmallNet(nn.Module):
     """Linear layers of different sizes plus the awkward parameters an optimizer meets.

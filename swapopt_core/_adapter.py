@@ -36,6 +36,10 @@ class OptimizerAdapter(ABC):
     def matches(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether this adapter serves ``optimizer``."""
 
+    def keeps_masters(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` has master weights ``include_master_params`` could swap."""
+        return self.has_master_params
+
     def silence(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         """Make ``optimizer``'s own ``step()`` update nothing; return the undo.
 

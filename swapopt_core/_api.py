@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
+from typing import Any, TypeVar
 
 import pluggy
 import torch
@@ -30,6 +30,9 @@ __all__ = [
 ]
 
 _warned_cpu_auto = False
+
+#: A torch optimizer or a MindSpore optimizer Cell; the functions hand back the same object.
+OptimizerT = TypeVar("OptimizerT")
 
 
 def _param_devices(optimizer: Any) -> set[str]:
@@ -88,12 +91,7 @@ def _pick_adapter(
                 f"SwapOptimizerConfig.state_keys has {unknown} that {adapter.family} does not "
                 f"keep. Choose from {list(adapter.state_key_names)}, or None for all."
             )
-    has_masters = (
-        adapter.masters(optimizer) is not None
-        if framework == "mindspore"
-        else adapter.has_master_params
-    )
-    if config.include_master_params and not has_masters:
+    if config.include_master_params and not adapter.keeps_masters(optimizer):
         raise ValueError(
             f"SwapOptimizerConfig.include_master_params=True, but this {adapter.family} keeps "
             "no master weights (it updates the model parameters directly). Leave "
@@ -104,11 +102,11 @@ def _pick_adapter(
 
 
 def swap_optimizer(
-    optimizer: torch.optim.Optimizer,
+    optimizer: OptimizerT,
     config: SwapOptimizerConfig | None = None,
     *,
     plugin_manager: pluggy.PluginManager | None = None,
-) -> torch.optim.Optimizer:
+) -> OptimizerT:
     """Keep ``optimizer``'s state in host memory and pipeline its step; installed in place.
 
     The optimizer object keeps its identity, so LR schedulers, gradient scalers, closures
@@ -192,7 +190,7 @@ def is_swap_optimizer(optimizer: object) -> bool:
     return engine_of(optimizer) is not None
 
 
-def unswap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def unswap_optimizer(optimizer: OptimizerT) -> OptimizerT:
     """Move the swapped state back to the device and remove the swap.
 
     Returns:
@@ -206,7 +204,7 @@ def unswap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def offload_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+def offload_optimizer_state(optimizer: Any) -> int:
     """Take swappable state that something moved back to the device into host memory now.
 
     Frameworks restore checkpoints by moving optimizer state to the parameters' device
@@ -237,7 +235,7 @@ def offload_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
     return moved
 
 
-def swap_stats(optimizer: torch.optim.Optimizer) -> SwapStats:
+def swap_stats(optimizer: Any) -> SwapStats:
     """Memory and traffic of a swapped optimizer.
 
     Raises:

@@ -56,6 +56,10 @@ class MindSporeAdapter(ABC):
         """The fp32 master weights the update runs on, if the optimizer keeps any."""
         return None
 
+    def keeps_masters(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` has master weights ``include_master_params`` could swap."""
+        return self.masters(optimizer) is not None
+
     @abstractmethod
     def prepare(self, optimizer: Any, gradients: tuple[Any, ...]) -> Any:
         """Run the once-per-step preamble exactly as ``construct`` would; return its values.

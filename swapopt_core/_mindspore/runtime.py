@@ -58,20 +58,6 @@ class MindSporeRuntime(TransferRuntime):
 
         return Tensor.from_numpy(host.asnumpy().copy())
 
-    def copy_in(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
-        for device_tensor, host_tensor in pairs:
-            device_tensor.copy_(host_tensor)
-        return None
-
-    def copy_out(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
-        for device_tensor, host_tensor in pairs:
-            host_tensor.copy_(device_tensor)
-        return None
-
-    def wait(self, ticket: Any) -> None:
-        return None
-
-
 class MindSporeLoopbackRuntime(MindSporeRuntime):
     """CPU tensors play the device, separate CPU buffers the host.
 
@@ -112,6 +98,9 @@ class MindSporeLoopbackRuntime(MindSporeRuntime):
 
     def alloc_device(self, numel: int, dtype: Any, device: Any) -> Any:
         return _empty(numel, dtype)
+
+    def wait(self, ticket: Any) -> None:
+        return None  # the copies are done when copy_in returns
 
     def synchronize(self) -> None:
         from mindspore.common.api import _pynative_executor

@@ -1,19 +1,19 @@
 """Activation planner benchmark: our time-aware planner against a physical lower bound and the
 reference greedy planner, on synthetic Llama-shaped training steps.
 
-Each case is one decoder shape (``swapopt_core._offload.synthetic``: forward, loss and
+Each case is one decoder shape (``swapopt_core._planning.synthetic``: forward, loss and
 backward of every layer at kernel granularity, matmul times from FLOPs at 650 TFLOP/s,
 elementwise times from bytes at 3.5 TB/s, bf16 activations, 50 GB/s per copy direction: an
 H200-class device on PCIe Gen5) under a budget of 70 %, 50 % or 35 % of its natural peak of
 activation bytes. For each case the script reports:
 
-* the **lower bound** on the overhead (``swapopt_core._offload.bounds``): the bytes that must
+* the **lower bound** on the overhead (``swapopt_core._planning.bounds``): the bytes that must
   be off the device before each op against what the D2H link can move by then, and the same
   for the reloads on the H2D link;
 * the **reference greedy planner** (re-implemented below from the behavioural spec of
   HyperOffload's ``GreedyResidencyPlanner``; it ranks gaps by op-index distance and ignores
   durations and bandwidths) and **ours** (``TimedPlanner``), both replayed by the same
-  simulator (``swapopt_core._offload.simulate``): overhead = added time / compute time, and
+  simulator (``swapopt_core._planning.simulate``): overhead = added time / compute time, and
   peak resident bytes / budget.
 
 The whole run takes seconds: nothing executes on a device, every figure is simulated.
@@ -130,7 +130,7 @@ def run_case(shape: Any, fraction: float, mods: dict[str, ModuleType]) -> dict[s
     }
     planners = {
         "greedy": lambda: greedy_reference_plan(trace, mods["ir"]),
-        "ours": lambda: mods["planner"].TimedPlanner().plan(trace),
+        "ours": lambda: mods["timed"].TimedPlanner().plan(trace),
     }
     for name, plan in planners.items():
         start = time.perf_counter()
@@ -197,8 +197,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     mods = {
-        name: _import(f"swapopt_core._offload.{name}")
-        for name in ("ir", "synthetic", "simulate", "bounds", "planner")
+        name: _import(f"swapopt_core._planning.{name}")
+        for name in ("ir", "synthetic", "simulate", "bounds", "timed")
     }
     shapes = [mods["synthetic"].SHAPES[s.strip()] for s in args.shapes.split(",") if s.strip()]
     fractions = [float(b) for b in args.budgets.split(",") if b.strip()]

@@ -13,7 +13,7 @@ import time
 import torch
 
 from swapopt_core import OffloadConfig, OffloadSession
-from swapopt_core._demo import _TinyGPT
+from swapopt_core._cli.demo import _TinyGPT
 
 
 def measure(steps: int = 8, threads: int = 1) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """swapopt core: optimizer state and activations in host memory, brought back just in time."""
 
-from swapopt_core._adapter import OptimizerAdapter, StateFactory
+from swapopt_core._activations.config import OffloadConfig
+from swapopt_core._activations.session import OffloadSession, OffloadStats, skip_offload
 from swapopt_core._api import (
     is_swap_optimizer,
     offload_optimizer_state,
@@ -11,13 +12,12 @@ from swapopt_core._api import (
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._mindspore import MindSporeAdapter
-from swapopt_core._offload.config import OffloadConfig
-from swapopt_core._offload.ir import ActivationTrace, ResidencySchedule
-from swapopt_core._offload.planning import ResidencyPlanner
-from swapopt_core._offload.session import OffloadSession, OffloadStats, skip_offload
-from swapopt_core._plugins import get_plugin_manager, new_plugin_manager
+from swapopt_core._planning.interface import ResidencyPlanner
+from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
+from swapopt_core._plugins import get_plugin_manager, new_plugin_manager, runtime_names
 from swapopt_core._runtime import CopyPair, TransferRuntime
 from swapopt_core._stats import SwapStats
+from swapopt_core._torch.adapter import OptimizerAdapter, StateFactory
 from swapopt_core.hookspecs import hookimpl
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "is_swap_optimizer",
     "new_plugin_manager",
     "offload_optimizer_state",
+    "runtime_names",
     "skip_offload",
     "swap_optimizer",
     "swap_stats",

@@ -2,7 +2,7 @@
 
 import sys
 
-from swapopt_core._cli import main
+from swapopt_core._cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,14 +10,15 @@ import pluggy
 import torch
 
 from swapopt_core._config import SwapOptimizerConfig
-from swapopt_core._engine import SwapEngine, engine_of
+from swapopt_core._engine_base import engine_of
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._mindspore import is_mindspore_optimizer
 from swapopt_core._mindspore.engine import MindSporeSwapEngine
 from swapopt_core._plugins import get_plugin_manager, optimizer_adapters, runtime_classes
 from swapopt_core._runtime import TransferRuntime
-from swapopt_core._state import local_tensor
 from swapopt_core._stats import SwapStats
+from swapopt_core._torch.engine import SwapEngine
+from swapopt_core._torch.state import local_tensor
 
 logger = logging.getLogger(__name__)
 

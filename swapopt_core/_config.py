@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from swapopt_core._options import (
+    NO,
+    YES,
+    Option,
+    parse_bool,
+    parse_choice,
+    parse_int,
+    parse_name,
+    parse_name_list,
+    read_options,
+)
 
 __all__ = ["SwapOptimizerConfig"]
 
@@ -107,3 +121,84 @@ class SwapOptimizerConfig:
                 f"SwapOptimizerConfig.runtime must be a runtime name, got {self.runtime!r}. "
                 "Use 'auto', 'cuda' or 'loopback' (plugins may add more)."
             )
+
+    @classmethod
+    def from_options(
+        cls,
+        values: Mapping[str, object],
+        *,
+        source: str = "SwapOptimizerConfig",
+        labels: Mapping[str, str] | None = None,
+        framework: str | None = None,
+        base: SwapOptimizerConfig | None = None,
+    ) -> SwapOptimizerConfig:
+        """Build a config from options as a YAML file, the environment or flags give them.
+
+        Every integration reads its settings through here. Strings are accepted for every
+        field: integers as decimal text, booleans as yes/no words, ``packed_swap`` also as
+        ``auto``, ``state_keys`` as comma-separated names.
+
+        Args:
+            values: Field name to value; fields not given keep ``base``'s value.
+            source: What holds the values, named in errors.
+            labels: How errors name each field (for example its environment variable).
+            framework: ``"torch"`` or ``"mindspore"``: check ``runtime`` against that
+                framework's registered runtimes and ``state_keys`` against its families'
+                state names, here rather than at install. ``None`` checks types only.
+            base: Values of the fields not given. Default: the field defaults.
+
+        Raises:
+            ValueError: An unknown field or a value the field does not accept; the message
+                names the field as ``source.field`` (or its label), shows the value and
+                says what is accepted.
+        """
+        options = _swap_options(framework)
+        read = read_options(options, values, source=source, labels=labels)
+        current = base or cls()
+        fields = {name: getattr(current, name) for name in options}
+        return cls(**{**fields, **read})
+
+
+def _runtime_names(framework: str) -> list[str]:
+    from swapopt_core._plugins import runtime_names
+
+    return runtime_names(framework)
+
+
+def _state_key_names(framework: str) -> list[str]:
+    from swapopt_core._plugins import state_key_names
+
+    return state_key_names(framework)
+
+
+def _swap_options(framework: str | None) -> dict[str, Option]:
+    """How ``from_options`` reads each field of ``SwapOptimizerConfig``."""
+    words = "/".join(YES + NO)
+    if framework is None:
+        runtime = Option(parse_name, "a runtime name")
+        keys = Option(parse_name_list(None), "null, or distinct state names")
+    else:
+        names = functools.partial(_runtime_names, framework)
+        state_names = functools.partial(_state_key_names, framework)
+        runtime = Option(parse_choice(names), f"one of the {framework} runtimes {{choices}}", names)
+        keys = Option(
+            parse_name_list(state_names),
+            "null, or distinct names out of {choices} (a list, or comma-separated)",
+            state_names,
+        )
+    return {
+        "swap_times": Option(parse_int(1), "an integer >= 1"),
+        "state_keys": keys,
+        "min_numel": Option(parse_int(0), "an integer >= 0"),
+        "include_master_params": Option(parse_bool, f"a boolean ({words})"),
+        "packed_swap": Option(
+            _parse_packed, f"'auto' or null for the runtime's default, or a boolean ({words})"
+        ),
+        "runtime": runtime,
+    }
+
+
+def _parse_packed(value: object) -> bool | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("auto", "none")):
+        return None
+    return parse_bool(value)

@@ -7,11 +7,11 @@ from typing import Any
 import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._layout import DeviceLedger
 from swapopt_core._runtime import TransferRuntime
-from swapopt_core._staging import Residency
 from swapopt_core._stats import SwapStats
 
-__all__ = ["EngineBase"]
+__all__ = ["ENGINE_ATTR", "EngineBase", "engine_of"]
 
 #: The attribute under which an engine is installed on its optimizer.
 ENGINE_ATTR = "_swapopt_engine"
@@ -22,7 +22,7 @@ class EngineBase:
     engines.
 
     Subclasses set ``packed_staging`` and ``per_tensor_staging`` (classes taking
-    ``(runtime, residency)``) and fill ``slots`` with objects that have ``nbytes``.
+    ``(runtime, ledger)``) and fill ``slots`` with objects that have ``nbytes``.
     """
 
     packed_staging: type
@@ -41,10 +41,10 @@ class EngineBase:
         self.adapter = adapter
         self.runtime = runtime
         self.plugin_manager = plugin_manager
-        self.residency = Residency()
+        self.ledger = DeviceLedger()
         packed = runtime.packed_default if config.packed_swap is None else config.packed_swap
         staging = self.packed_staging if packed else self.per_tensor_staging
-        self.staging = staging(runtime, self.residency)
+        self.staging = staging(runtime, self.ledger)
         self.slots: dict[Any, Any] = {}
         self.h2d_bytes = 0
         self.d2h_bytes = 0
@@ -66,8 +66,8 @@ class EngineBase:
     def stats(self) -> SwapStats:
         return SwapStats(
             total_state_bytes=sum(slot.nbytes for slot in self.slots.values()),
-            resident_state_bytes=self.residency.current,
-            peak_resident_state_bytes=self.residency.peak,
+            resident_state_bytes=self.ledger.current,
+            peak_resident_state_bytes=self.ledger.peak,
             host_state_bytes=self.host_state_bytes(),
             pinned_host_bytes=self.runtime.pinned_bytes,
             h2d_bytes=self.h2d_bytes,
@@ -78,3 +78,8 @@ class EngineBase:
             packed=self.staging.packed,
             runtime=self.runtime.name,
         )
+
+
+def engine_of(optimizer: object) -> EngineBase | None:
+    """The engine installed on ``optimizer`` (torch or MindSpore), if any."""
+    return getattr(optimizer, ENGINE_ATTR, None)

@@ -12,32 +12,40 @@ most two batches are on the device at any moment.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Protocol
-
-import torch
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
 
 from swapopt_core._runtime import TransferRuntime
-from swapopt_core._staging import Staged
-from swapopt_core._state import Slot
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_pipeline"]
+__all__ = ["Staging", "StagedBatch", "run_pipeline"]
 
 
-class _Staging(Protocol):
-    def begin(self, batches: Sequence[Sequence[Slot]]) -> None: ...
-    def stage(self, index: int, slots: Sequence[Slot]) -> Staged: ...
-    def unstage(self, staged: Staged) -> None: ...
+class StagedBatch(Protocol):
+    """One batch on the device, as a backend's staging hands it over."""
+
+    views: dict[Any, Any]  #: device view of each slot
+    pairs: Sequence[tuple[Any, Any]]  #: (device, host) copies that move the batch
+
+    @property
+    def copy_bytes(self) -> int: ...
+
+
+class Staging(Protocol):
+    """Allocates and frees each batch's device storage (one per backend and mode)."""
+
+    def begin(self, batches: Sequence[Sequence[Any]]) -> None: ...
+    def stage(self, index: int, slots: Sequence[Any]) -> StagedBatch: ...
+    def unstage(self, staged: Any) -> None: ...
     def end(self) -> None: ...
 
 
 def run_pipeline(
-    batches: Sequence[Sequence[Slot]],
-    staging: _Staging,
+    batches: Sequence[Sequence[Hashable]],
+    staging: Staging,
     runtime: TransferRuntime,
-    update: Callable[[int, dict[Slot, torch.Tensor]], None],
+    update: Callable[[int, dict[Any, Any]], None],
 ) -> tuple[int, int]:
     """Run ``update`` over every batch with its state on the device.
 
@@ -55,7 +63,7 @@ def run_pipeline(
             failed batch's state was written back and all device storage was released.
     """
     n = len(batches)
-    staged: list[Staged | None] = [None] * n
+    staged: list[StagedBatch | None] = [None] * n
     tickets: list[object] = [None] * n
     h2d = d2h = 0
     failed: int | None = None

@@ -12,21 +12,31 @@ from typing import Any
 
 import pluggy
 
-from swapopt_core._adapter import OptimizerAdapter
 from swapopt_core._errors import SwapOptError, SwapOptWarning
-from swapopt_core._offload.planning import ResidencyPlanner
+from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._runtime import TransferRuntime
-from swapopt_core.builtin import DEFAULT_PLUGINS
 from swapopt_core.hookspecs import PROJECT, SwapOptSpecs
 
 logger = logging.getLogger(__name__)
 
 #: Entry-point group third-party plugins register under.
 ENTRY_POINT_GROUP = PROJECT
+#: The built-in plugins, one module per backend, registered like any third-party plugin.
+DEFAULT_PLUGINS = (
+    "swapopt_core._torch.plugin",
+    "swapopt_core._planning.plugin",
+    "swapopt_core._mindspore.plugin",
+)
 #: Set to 1 to skip loading third-party plugins from entry points.
 DISABLE_AUTOLOAD_ENV = "SWAPOPT_DISABLE_PLUGIN_AUTOLOAD"
 
-__all__ = ["ENTRY_POINT_GROUP", "get_plugin_manager", "new_plugin_manager"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "get_plugin_manager",
+    "new_plugin_manager",
+    "runtime_names",
+    "state_key_names",
+]
 
 
 def new_plugin_manager(*, load_entrypoints: bool = True) -> pluggy.PluginManager:
@@ -105,14 +115,39 @@ def runtime_classes(
     return found
 
 
-def optimizer_adapters(manager: pluggy.PluginManager, framework: str = "torch") -> list[Any]:
-    """Adapters of ``framework`` in the order they are asked: later-registered plugins first."""
-    from swapopt_core._mindspore.adapter import MindSporeAdapter
+def runtime_names(
+    framework: str = "torch", manager: pluggy.PluginManager | None = None
+) -> list[str]:
+    """``"auto"`` and the names of the runtimes registered for ``framework``, sorted.
 
+    Args:
+        framework: ``"torch"`` or ``"mindspore"`` (or a plugin's framework).
+        manager: The plugin manager to ask. Default: ``get_plugin_manager()``.
+    """
+    found = runtime_classes(manager or get_plugin_manager(), framework)
+    return sorted({"auto", *found})
+
+
+def state_key_names(
+    framework: str = "torch", manager: pluggy.PluginManager | None = None
+) -> list[str]:
+    """Every state key some registered optimizer family of ``framework`` can swap, sorted."""
+    adapters = optimizer_adapters(manager or get_plugin_manager(), framework)
+    return sorted({key for adapter in adapters for key in adapter.state_key_names})
+
+
+def optimizer_adapters(manager: pluggy.PluginManager, framework: str = "torch") -> list[Any]:
+    """Adapters of ``framework`` in the order they are asked: later-registered plugins first.
+
+    An adapter is any object with a ``framework``, a ``family`` and a ``matches(optimizer)``
+    method: ``OptimizerAdapter`` for torch, ``MindSporeAdapter`` for MindSpore.
+    """
     adapters: list[Any] = []
     for batch in manager.hook.swapopt_register_optimizer_adapters():
         for adapter in batch:
-            if not isinstance(adapter, (OptimizerAdapter, MindSporeAdapter)):
+            if isinstance(adapter, type) or not all(
+                hasattr(adapter, name) for name in ("framework", "family", "matches")
+            ):
                 raise SwapOptError(
                     f"A plugin registered {adapter!r} as an optimizer adapter; "
                     "swapopt_register_optimizer_adapters must return OptimizerAdapter (or, for "

@@ -16,11 +16,11 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
-    from swapopt_core._adapter import OptimizerAdapter
     from swapopt_core._config import SwapOptimizerConfig
-    from swapopt_core._offload.planning import ResidencyPlanner
+    from swapopt_core._planning.interface import ResidencyPlanner
     from swapopt_core._runtime import TransferRuntime
     from swapopt_core._stats import SwapStats
+    from swapopt_core._torch.adapter import OptimizerAdapter
 
 PROJECT = "swapopt"
 

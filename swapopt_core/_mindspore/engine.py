@@ -20,7 +20,7 @@ from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
 from swapopt_core._errors import SwapOptError
 from swapopt_core._mindspore.adapter import MindSporeAdapter
 from swapopt_core._mindspore.runtime import MindSporeRuntime
-from swapopt_core._mindspore.staging import MsPackedStaging, MsPerTensorStaging, MsSlot
+from swapopt_core._mindspore.staging import PackedStaging, PerTensorStaging, Slot
 from swapopt_core._partition import partition
 from swapopt_core._pipeline import run_pipeline
 
@@ -33,12 +33,12 @@ _FLOATS = ("Float16", "Float32", "Float64", "BFloat16")
 class MindSporeSwapEngine(EngineBase):
     """Keeps a MindSpore optimizer's swappable state in host memory; pipelines its update."""
 
-    packed_staging = MsPackedStaging
-    per_tensor_staging = MsPerTensorStaging
+    packed_staging = PackedStaging
+    per_tensor_staging = PerTensorStaging
     adapter: MindSporeAdapter
     runtime: MindSporeRuntime
-    staging: MsPackedStaging | MsPerTensorStaging
-    slots: dict[tuple[str, int], MsSlot]
+    staging: PackedStaging | PerTensorStaging
+    slots: dict[tuple[str, int], Slot]
 
     def __init__(
         self,
@@ -89,14 +89,14 @@ class MindSporeSwapEngine(EngineBase):
             and self.runtime.accepts(param.device)
         )
 
-    def _ours(self, slot: MsSlot) -> bool:
+    def _ours(self, slot: Slot) -> bool:
         """Whether the state Parameter still holds our host memory (a load replaces it)."""
         return slot.state.data_ptr() == slot.host.data_ptr()
 
     def offload(self) -> int:
         """Take every swappable state into host memory; return how many were moved."""
         params = self.optimizer._parameters
-        ordered: list[MsSlot] = []
+        ordered: list[Slot] = []
         moved = 0
         live: set[tuple[str, int]] = set()
         for key, states in self.keyed_states().items():
@@ -111,11 +111,11 @@ class MindSporeSwapEngine(EngineBase):
                 ordered.append(slot)
         for stale in self.slots.keys() - live:
             del self.slots[stale]
-        if isinstance(self.staging, MsPackedStaging):
+        if isinstance(self.staging, PackedStaging):
             self.staging.layout(sorted(ordered, key=lambda s: (s.index, s.key)), self._publish)
         return moved
 
-    def _adopt(self, key: str, index: int, state: Any, device: str, old: MsSlot | None) -> MsSlot:
+    def _adopt(self, key: str, index: int, state: Any, device: str, old: Slot | None) -> Slot:
         """Make host memory hold ``state``'s values and ``state`` hold that host memory."""
         if getattr(state, "has_init", False):
             state.init_data()
@@ -126,18 +126,18 @@ class MindSporeSwapEngine(EngineBase):
             return old
         if self.staging.packed:
             # The layout copies the values into the packed buffer; the data stands in until then.
-            slot = MsSlot(key, index, state, state.data, device)
+            slot = Slot(key, index, state, state.data, device)
         else:
             numel, shape = int(state.size), tuple(state.shape)
             host = self.runtime.view(self.runtime.alloc_host(numel, state.dtype), 0, numel, shape)
             host.copy_(state.data)
-            slot = MsSlot(key, index, state, host, device)
+            slot = Slot(key, index, state, host, device)
             self._publish(slot)
         self.slots[(key, index)] = slot
         return slot
 
     @staticmethod
-    def _publish(slot: MsSlot) -> None:
+    def _publish(slot: Slot) -> None:
         slot.state.set_data(slot.host)
 
     # ---- the step ------------------------------------------------------------------------
@@ -167,7 +167,7 @@ class MindSporeSwapEngine(EngineBase):
         self._interrupted = None
         results: list[Any] = [True] * len(gradients)
         units = [i for i in range(len(gradients)) if i not in done and self.adapter.steps(opt, i)]
-        by_index: dict[int, list[MsSlot]] = {}
+        by_index: dict[int, list[Slot]] = {}
         for slot in self.slots.values():
             by_index.setdefault(slot.index, []).append(slot)
         runs = partition(
@@ -176,7 +176,7 @@ class MindSporeSwapEngine(EngineBase):
         batches = [[units[k] for k in run] for run in runs]
         resident = self._resident_states()
 
-        def update(b: int, views: dict[MsSlot, Any]) -> None:
+        def update(b: int, views: dict[Slot, Any]) -> None:
             for index in batches[b]:
                 states = {key: values[index] for key, values in resident.items()}
                 for slot in by_index.get(index, ()):

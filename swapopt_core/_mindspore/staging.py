@@ -2,7 +2,7 @@
 
 A slot is one optimizer-owned state Parameter (``moment1[i]``, ``exp_avg[i]``, ...). Between
 steps its data is ``host``, a CPU tensor; during its batch the update works on a device
-view that ``MsPerTensorStaging`` (a buffer per slot) or ``MsPackedStaging`` (one host buffer
+view that ``PerTensorStaging`` (a buffer per slot) or ``PackedStaging`` (one host buffer
 per dtype for all slots, one device buffer per dtype per batch, one copy each) provides.
 """
 
@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swapopt_core._errors import SwapOptError
+from swapopt_core._layout import DeviceLedger, plan_layout
 from swapopt_core._mindspore.runtime import MindSporeRuntime
-from swapopt_core._staging import Residency, plan_layout
 
-__all__ = ["MsPackedStaging", "MsPerTensorStaging", "MsSlot", "MsStaged"]
+__all__ = ["PackedStaging", "PerTensorStaging", "Slot", "Staged", "StagingBase"]
 
 
 @dataclass(eq=False)
-class MsSlot:
+class Slot:
     """One swapped state Parameter of the optimizer.
 
     Attributes:
@@ -60,45 +60,45 @@ class MsSlot:
 
 
 @dataclass
-class MsStaged:
+class Staged:
     """One batch on the device: a device view per slot and the copies that move it."""
 
-    views: dict[MsSlot, Any] = field(default_factory=dict)
+    views: dict[Slot, Any] = field(default_factory=dict)
     pairs: list[tuple[Any, Any]] = field(default_factory=list)
     owned: list[tuple[Any, int]] = field(default_factory=list)
     copy_bytes: int = 0
 
 
-class _Staging:
+class StagingBase:
     """Device buffers owned by a staged batch, freed when it is unstaged."""
 
-    def __init__(self, runtime: MindSporeRuntime, residency: Residency) -> None:
+    def __init__(self, runtime: MindSporeRuntime, ledger: DeviceLedger) -> None:
         self.runtime = runtime
-        self.residency = residency
+        self.ledger = ledger
 
-    def unstage(self, staged: MsStaged) -> None:
+    def unstage(self, staged: Staged) -> None:
         for flat, nbytes in staged.owned:
-            self.residency.sub(nbytes)
+            self.ledger.sub(nbytes)
             self.runtime.release_device(flat)
         staged.owned.clear()
         staged.views.clear()
         staged.pairs.clear()
 
 
-class MsPerTensorStaging(_Staging):
+class PerTensorStaging(StagingBase):
     """Each slot gets its own device buffer for the time its batch is on the device."""
 
     packed = False
 
-    def begin(self, batches: Sequence[Sequence[MsSlot]]) -> None:
+    def begin(self, batches: Sequence[Sequence[Slot]]) -> None:
         return None
 
-    def stage(self, index: int, slots: Sequence[MsSlot]) -> MsStaged:
-        staged = MsStaged()
+    def stage(self, index: int, slots: Sequence[Slot]) -> Staged:
+        staged = Staged()
         try:
             for slot in slots:
                 flat = self.runtime.alloc_device(slot.numel, slot.dtype, slot.device)
-                self.residency.add(slot.nbytes)
+                self.ledger.add(slot.nbytes)
                 staged.owned.append((flat, slot.nbytes))
                 view = self.runtime.view(flat, 0, slot.numel, slot.shape)
                 staged.views[slot] = view
@@ -114,23 +114,23 @@ class MsPerTensorStaging(_Staging):
         return None
 
 
-class MsPackedStaging(_Staging):
+class PackedStaging(StagingBase):
     """All slots of a dtype share one host buffer; a batch moves with one copy per dtype."""
 
     packed = True
 
-    def __init__(self, runtime: MindSporeRuntime, residency: Residency) -> None:
+    def __init__(self, runtime: MindSporeRuntime, ledger: DeviceLedger) -> None:
         if not runtime.views_at_offset:
             raise SwapOptError(
                 f"packed_swap=True needs device views at an offset, which the {runtime.name!r} "
                 "runtime does not provide. Set SwapOptimizerConfig(packed_swap=False)."
             )
-        super().__init__(runtime, residency)
+        super().__init__(runtime, ledger)
         self.buffers: dict[Any, Any] = {}
         self._signature: tuple[int, ...] = ()
         self._regions: list[dict[Any, tuple[int, int]]] = []  # per batch: dtype -> lo, hi
 
-    def layout(self, slots: Sequence[MsSlot], publish: Callable[[MsSlot], None]) -> bool:
+    def layout(self, slots: Sequence[Slot], publish: Callable[[Slot], None]) -> bool:
         """Pack ``slots`` (in layout order) into one host buffer per dtype if they changed.
 
         Every slot's current values (``slot.host``) are copied into its place, then
@@ -157,7 +157,7 @@ class MsPackedStaging(_Staging):
         self._signature = signature
         return True
 
-    def begin(self, batches: Sequence[Sequence[MsSlot]]) -> None:
+    def begin(self, batches: Sequence[Sequence[Slot]]) -> None:
         self._regions = []
         for slots in batches:
             regions: dict[Any, tuple[int, int]] = {}
@@ -167,19 +167,19 @@ class MsPackedStaging(_Staging):
                 regions[slot.dtype] = (min(lo, slot.offset), max(hi, end))
             self._regions.append(regions)
 
-    def stage(self, index: int, slots: Sequence[MsSlot]) -> MsStaged:
+    def stage(self, index: int, slots: Sequence[Slot]) -> Staged:
         """Give batch ``index`` one exact-size device buffer per dtype, its views and copies.
 
         A buffer per batch (instead of two arenas sized for the widest batch) keeps the
         device peak at the two largest neighbouring batches, even when one tensor dominates.
         """
-        staged = MsStaged()
+        staged = Staged()
         device = slots[0].device if slots else None
         try:
             for dtype, (lo, hi) in self._regions[index].items():
                 flat = self.runtime.alloc_device(hi - lo, dtype, device)
                 nbytes = (hi - lo) * next(s.state.itemsize for s in slots if s.dtype == dtype)
-                self.residency.add(nbytes)
+                self.ledger.add(nbytes)
                 staged.owned.append((flat, nbytes))
                 region = self.runtime.view(flat, 0, hi - lo, (hi - lo,))
                 host = self.runtime.view(self.buffers[dtype], lo, hi - lo, (hi - lo,))

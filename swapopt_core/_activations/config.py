@@ -1,0 +1,110 @@
+"""Frozen, validated configuration of the activation offload."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from swapopt_core._options import Option, parse_choice, parse_mib, parse_name, read_options
+
+__all__ = ["RUNTIMES", "OffloadConfig"]
+
+#: Names ``OffloadConfig.runtime`` accepts.
+RUNTIMES = ("auto", "cuda", "loopback")
+
+
+def _number(name: str, value: object, *, minimum: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"OffloadConfig.{name} must be a number of MiB, got {value!r}.")
+    if not value >= minimum:
+        raise ValueError(f"OffloadConfig.{name} must be >= {minimum} MiB, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How an ``OffloadSession`` keeps activations under a device budget.
+
+    Args:
+        max_resident_activation_mb: Device budget, in MiB, for activation storages created
+            inside the session (saved activations, temporaries, gradients). The warmup step
+            evicts to stay under it; the planner schedules copies so replays stay under it.
+            Default: 1024.
+        max_offload_activation_mb: Cap, in MiB, on the host memory holding offloaded
+            activations. When it is reached, a storage that would be offloaded stays on the
+            device instead (counted in ``OffloadStats.host_cap_refusals``): no data is ever
+            dropped. Default: 65536.
+        planner: Name of a registered residency planner. ``"auto"`` is the built-in
+            time-aware planner (``"timed"``). Default: "auto".
+        runtime: ``"auto"`` (CUDA when the activations are on CUDA, else loopback),
+            ``"cuda"``, or ``"loopback"`` (CPU tensors play the device). Default: "auto".
+        min_offload_kib: Storages smaller than this are left on the device unless the
+            budget cannot be met otherwise (a copy's fixed cost outweighs what they free);
+            the warmup never evicts them. Default: 1024 (1 MiB).
+
+    Raises:
+        TypeError: A field has the wrong type.
+        ValueError: A field is out of range.
+    """
+
+    max_resident_activation_mb: float = 1024
+    max_offload_activation_mb: float = 65536
+    planner: str = "auto"
+    runtime: str = "auto"
+    min_offload_kib: float = 1024
+
+    def __post_init__(self) -> None:
+        _number("max_resident_activation_mb", self.max_resident_activation_mb, minimum=0)
+        _number("max_offload_activation_mb", self.max_offload_activation_mb, minimum=0)
+        _number("min_offload_kib", self.min_offload_kib, minimum=0)
+        if not isinstance(self.planner, str) or not self.planner:
+            raise ValueError(
+                f"OffloadConfig.planner must be a planner name, got {self.planner!r}. "
+                "Use 'auto' for the built-in time-aware planner."
+            )
+        if self.runtime not in RUNTIMES:
+            raise ValueError(
+                f"OffloadConfig.runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}."
+            )
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.max_resident_activation_mb * 2**20)
+
+    @property
+    def host_cap_bytes(self) -> int:
+        return int(self.max_offload_activation_mb * 2**20)
+
+    @property
+    def min_offload_bytes(self) -> int:
+        return int(self.min_offload_kib * 2**10)
+
+    @classmethod
+    def from_options(
+        cls,
+        values: Mapping[str, object],
+        *,
+        source: str = "OffloadConfig",
+        labels: Mapping[str, str] | None = None,
+    ) -> OffloadConfig:
+        """Build a config from options as a YAML file, the environment or flags give them.
+
+        Sizes may be numbers or their text; fields not given keep their defaults. The
+        planner name is checked when the session first plans (plugins may add planners).
+
+        Raises:
+            ValueError: An unknown field or a value the field does not accept; the message
+                names the field as ``source.field`` (or its label), shows the value and
+                says what is accepted.
+        """
+        return cls(**read_options(_OPTIONS, values, source=source, labels=labels))
+
+
+_MIB = Option(parse_mib(allow_none=False), "a number of MiB >= 0")
+_OPTIONS = {
+    "max_resident_activation_mb": _MIB,
+    "max_offload_activation_mb": _MIB,
+    "planner": Option(parse_name, "a registered planner name, or 'auto'"),
+    "runtime": Option(parse_choice(lambda: RUNTIMES), "one of {choices}", lambda: RUNTIMES),
+    "min_offload_kib": Option(parse_mib(allow_none=False), "a number of KiB >= 0"),
+}
+

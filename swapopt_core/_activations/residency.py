@@ -1,0 +1,213 @@
+"""Where each activation storage is right now: on the device, in host memory, or both.
+
+Storages are identified by the ``UntypedStorage`` objects PyTorch keeps for their whole
+life (views share one). Releasing a storage resizes it to zero bytes in place and
+restoring resizes it back and copies its bytes in, so every tensor and autograd node that
+refers to it sees the data again without knowing it was away.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swapopt_core._activations.runtime import ActivationRuntime
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HostPool", "Residency", "Tracked"]
+
+
+class HostPool:
+    """Host buffers for offloaded activations: exact sizes, reused by size, capped.
+
+    Replays offload the same sizes every step, so a free list per exact size serves them
+    without new allocations (and, on CUDA, without registering new pages).
+    """
+
+    def __init__(self, runtime: ActivationRuntime, cap_bytes: int) -> None:
+        self.runtime = runtime
+        self.cap_bytes = cap_bytes
+        self.allocated = 0
+        self.peak = 0
+        self._free: dict[int, list[torch.Tensor]] = {}
+
+    def acquire(self, nbytes: int) -> torch.Tensor | None:
+        """A host buffer of ``nbytes``, or ``None`` when the cap leaves no room."""
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        if self.allocated + nbytes > self.cap_bytes:
+            self._trim(self.allocated + nbytes - self.cap_bytes)
+            if self.allocated + nbytes > self.cap_bytes:
+                return None
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+        return self.runtime.alloc_host(nbytes)
+
+    def release(self, host: torch.Tensor) -> None:
+        self._free.setdefault(host.numel(), []).append(host)
+
+    def _trim(self, needed: int) -> None:
+        for size in sorted(self._free, reverse=True):
+            while self._free[size] and needed > 0:
+                self._free[size].pop()
+                self.allocated -= size
+                needed -= size
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+@dataclass(eq=False)
+class Tracked:
+    """One activation storage the session created."""
+
+    sid: int
+    nbytes: int
+    produced_at: int
+    ref: weakref.ref
+    resident: bool = True
+    alive: bool = True
+    host: torch.Tensor | None = None
+    host_valid: bool = False  # the host copy equals the device bytes
+    d2h: Any = None  # ticket of a copy out still reading the storage
+    h2d: Any = None  # ticket of a copy in still writing it
+
+    def storage(self) -> torch.UntypedStorage | None:
+        return self.ref()
+
+
+class Residency:
+    """Bookkeeping and moves for the activation storages of one session entry."""
+
+    def __init__(self, runtime: ActivationRuntime, pool: HostPool) -> None:
+        self.runtime = runtime
+        self.pool = pool
+        self.by_storage: weakref.WeakKeyDictionary[torch.UntypedStorage, Tracked] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.by_sid: dict[int, Tracked] = {}
+        self.resident_bytes = 0
+        self.peak_bytes = 0
+        self.released: set[int] = set()
+        self.pending_in: set[int] = set()
+        self.d2h_bytes = 0
+        self.h2d_bytes = 0
+        self.host_cap_refusals = 0
+
+    # ---- registration --------------------------------------------------------------------
+
+    def track(self, storage: torch.UntypedStorage, sid: int, op: int) -> Tracked:
+        entry = Tracked(sid, storage.nbytes(), op, weakref.ref(storage))
+        self.by_storage[storage] = entry
+        self.by_sid[sid] = entry
+        weakref.finalize(storage, self._died, entry)
+        self._add(entry.nbytes)
+        return entry
+
+    def _add(self, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.resident_bytes)
+
+    def _died(self, entry: Tracked) -> None:
+        entry.alive = False
+        if entry.resident:
+            self.resident_bytes -= entry.nbytes
+            entry.resident = False
+        self.released.discard(entry.sid)
+        self.pending_in.discard(entry.sid)
+        self._drop_host(entry)
+
+    def _drop_host(self, entry: Tracked) -> None:
+        if entry.host is not None:
+            # The pool hands this buffer out again: no copy may still be using it.
+            self.runtime.host_wait(entry.d2h)
+            self.runtime.host_wait(entry.h2d)
+            self.pool.release(entry.host)
+            entry.host, entry.host_valid = None, False
+        entry.d2h = entry.h2d = None
+
+    # ---- moves ---------------------------------------------------------------------------
+
+    def copy_out(self, entry: Tracked) -> bool:
+        """Start copying ``entry`` to host memory; False if the host cap refused it."""
+        storage = entry.storage()
+        if storage is None or not entry.resident:
+            return False
+        if entry.host_valid:
+            return True
+        if entry.host is None:
+            entry.host = self.pool.acquire(entry.nbytes)
+            if entry.host is None:
+                self.host_cap_refusals += 1
+                return False
+        entry.d2h = self.runtime.copy_out(storage, entry.host)
+        entry.host_valid = True
+        self.d2h_bytes += entry.nbytes
+        return True
+
+    def release(self, entry: Tracked) -> None:
+        """Free ``entry``'s device bytes; its host copy must exist (or be on its way)."""
+        storage = entry.storage()
+        if storage is None or not entry.resident or not entry.host_valid:
+            return
+        # Stream-ordered: compute waits for the copy still reading this storage.
+        self.runtime.wait(entry.d2h)
+        self.runtime.wait(entry.h2d)
+        entry.h2d = None
+        storage.resize_(0)
+        entry.resident = False
+        self.resident_bytes -= entry.nbytes
+        self.released.add(entry.sid)
+
+    def copy_in(self, entry: Tracked) -> None:
+        """Re-allocate ``entry`` and start copying its bytes back (a prefetch)."""
+        storage = entry.storage()
+        if storage is None or entry.resident:
+            return
+        storage.resize_(entry.nbytes)
+        entry.h2d = self.runtime.copy_in(storage, entry.host)
+        entry.resident = True
+        self._add(entry.nbytes)
+        self.released.discard(entry.sid)
+        self.pending_in.add(entry.sid)
+        self.h2d_bytes += entry.nbytes
+
+    def ready(self, entry: Tracked) -> None:
+        """Make ``entry`` usable by the next compute op: page it in if needed, then wait."""
+        if not entry.resident:
+            self.copy_in(entry)
+        if entry.h2d is not None:
+            self.runtime.wait(entry.h2d)
+            entry.h2d = None
+        self.pending_in.discard(entry.sid)
+
+    def written(self, entry: Tracked) -> None:
+        """``entry`` was modified on the device: its host copy is stale."""
+        entry.host_valid = False
+
+    def release_host(self, entry: Tracked) -> None:
+        if entry.resident:
+            self._drop_host(entry)
+
+    def restore_all(self) -> None:
+        """Bring every live released storage back (end of the session, or a fallback)."""
+        for sid in list(self.released):
+            self.ready(self.by_sid[sid])
+        for sid in list(self.pending_in):
+            self.ready(self.by_sid[sid])
+
+    def close(self) -> None:
+        """End of the session entry: restore what is still alive and drop host copies."""
+        self.restore_all()
+        # Every copy must be done before the host buffers go back to the pool.
+        self.runtime.synchronize()
+        for entry in list(self.by_sid.values()):
+            self._drop_host(entry)
+        self.by_sid.clear()
+        self.by_storage = weakref.WeakKeyDictionary()

@@ -1,0 +1,1 @@
+"""The ``swapopt`` command line: ``demo``, ``plan`` and ``plot``."""

@@ -1,0 +1,244 @@
+"""The ``swapopt`` command line (also ``python -m swapopt_core``).
+
+Every subcommand is one function decorated with :func:`_command`. The function receives the
+subcommand's argument parser, declares its options on it, and returns the handler that runs the
+command with the parsed arguments. Adding a command (``plan``, ``plot``) means adding one such
+function; ``swapopt --help`` lists every registered command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rich.console import Console
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[argparse.Namespace], int]
+"""Runs one command with its parsed arguments; returns the process exit code."""
+
+Configure = Callable[[argparse.ArgumentParser], Handler]
+"""Declares a command's options on its parser and returns the command's handler."""
+
+
+@dataclass(frozen=True)
+class _Command:
+    name: str
+    summary: str
+    configure: Configure
+
+
+_COMMANDS: list[_Command] = []
+
+
+def _command(name: str, summary: str) -> Callable[[Configure], Configure]:
+    """Registers a subcommand under ``name`` with a one-line ``summary`` for ``--help``."""
+
+    def register(configure: Configure) -> Configure:
+        _COMMANDS.append(_Command(name, summary, configure))
+        return configure
+
+    return register
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+@_command("demo", "train a tiny GPT with plain and with swapped AdamW and compare them")
+def _demo_command(parser: argparse.ArgumentParser) -> Handler:
+    """Declares ``swapopt demo``: two identical training runs, one with the swap installed."""
+    import torch
+
+    from swapopt_core._cli.demo import DemoOptions, render_report, run_demo
+
+    defaults = DemoOptions()
+    parser.description = (
+        "Train a small GPT-style decoder on synthetic tokens twice from the same weights and "
+        "data: once with plain torch.optim.AdamW, once with the same AdamW under "
+        "swap_optimizer. Prints losses, optimizer-state memory, bytes moved and step times. "
+        "Exits 0 when the final parameters of both runs are bit-identical, 1 otherwise."
+    )
+    dflt = " (default: %(default)s)"
+    add = parser.add_argument
+    add("--steps", type=_positive_int, default=defaults.steps, help="steps per run" + dflt)
+    add("--swap-times", type=_positive_int, default=defaults.swap_times,
+        help="batches the swapped step is pipelined over" + dflt)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--packed", dest="packed", action="store_const", const=True,
+                      default=defaults.packed,
+                      help="one host buffer per dtype, staged through two device arenas "
+                      "(default: the runtime's choice)")
+    mode.add_argument("--per-tensor", dest="packed", action="store_const", const=False,
+                      help="one host mirror per state tensor")
+    add("--device", default=defaults.device,
+        help="torch device (default: cuda if available, else cpu; cpu uses the loopback runtime)")
+    add("--seed", type=int, default=defaults.seed, help="seed of the weights and the data" + dflt)
+    add("--layers", type=_positive_int, default=defaults.layers, help="transformer blocks" + dflt)
+    add("--width", type=_positive_int, default=defaults.width,
+        help=f"embedding width, a multiple of {defaults.heads} heads" + dflt)
+
+    def run(args: argparse.Namespace) -> int:
+        if args.width % defaults.heads:
+            parser.error(f"--width must be a multiple of {defaults.heads}")
+        if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: CUDA is not available on this machine")
+        options = DemoOptions(
+            steps=args.steps,
+            swap_times=args.swap_times,
+            packed=args.packed,
+            device=args.device,
+            seed=args.seed,
+            layers=args.layers,
+            width=args.width,
+        )
+        report = run_demo(options, console=Console(stderr=True))
+        console = Console()
+        console.print(render_report(report))
+        if report.identical:
+            console.print("[green]OK[/]: swapped AdamW ended bit-identical to plain AdamW.")
+            return 0
+        console.print("[red]FAIL[/]: swapped AdamW did not end bit-identical to plain AdamW.")
+        return 1
+
+    return run
+
+
+_PLANNER_HELP = "registered planner to use; auto = the default, timed (default: %(default)s)"
+
+
+@_command("plan", "plan a recorded activation trace under a memory budget")
+def _plan_command(parser: argparse.ArgumentParser) -> Handler:
+    """Declares ``swapopt plan``: trace JSON in, residency schedule JSON out, plus a summary."""
+    from swapopt_core._cli import support as cli
+    from swapopt_core._planning.simulate import simulate
+
+    parser.description = (
+        "Read an activation trace (ActivationTrace.to_json(), e.g. OffloadSession.trace), plan "
+        "it under an activation budget with a registered planner, write the residency "
+        "schedule as JSON and print what the plan does in a simulated step. The formats are "
+        "described in docs/formats.md."
+    )
+    add = parser.add_argument
+    add("--trace", required=True, metavar="T.json", help="the activation trace to plan")
+    add("--budget-mb", required=True, type=float, metavar="MB",
+        help="activation budget on the device, in MiB")
+    add("--out", required=True, metavar="P.json", help="where to write the schedule")
+    add("--planner", default="auto", help=_PLANNER_HELP)
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            cli.writable_target(args.out)
+            trace, schedule, planner = cli.plan_file(args.trace, args.budget_mb, args.planner)
+            result = simulate(trace, schedule)
+            cli.write_text(args.out, schedule.to_json())
+        except cli.CommandError as error:
+            parser.error(str(error))
+        console = Console()
+        console.print(cli.summary(trace, schedule, planner, result))
+        console.print(f"Schedule written to {args.out}.")
+        return 0
+
+    return run
+
+
+@_command("plot", "draw the activation memory timeline of a trace with and without a plan")
+def _plot_command(parser: argparse.ArgumentParser) -> Handler:
+    """Declares ``swapopt plot``: a PNG of resident activation memory and copies over time."""
+    from swapopt_core._cli import support as cli
+
+    parser.description = (
+        "Simulate one step of an activation trace with no plan and with a plan (read from "
+        "--schedule, or made now under --budget-mb), and draw resident activation memory over "
+        "time, the budget, and one lane of bars per copy direction. Needs matplotlib "
+        "(pip install 'swapopt[plot]')."
+    )
+    add = parser.add_argument
+    add("--trace", required=True, metavar="T.json", help="the activation trace")
+    add("--schedule", metavar="P.json", help="a schedule written by `swapopt plan` for this trace")
+    add("--budget-mb", type=float, metavar="MB",
+        help="activation budget in MiB: without --schedule, plan the trace under it now; "
+        "with --schedule, only draw it (default: the trace's own budget)")
+    add("--out", required=True, metavar="timeline.png", help="the image to write")
+    add("--planner", default="auto", help=_PLANNER_HELP + "; with --budget-mb only")
+
+    def run(args: argparse.Namespace) -> int:
+        from swapopt_core._cli.plot import plot_timeline
+
+        if args.schedule is None and args.budget_mb is None:
+            parser.error("give --schedule P.json (a plan to draw) or --budget-mb MB (plan now).")
+        if args.schedule is not None and args.planner != "auto":
+            parser.error(f"--planner {args.planner}: applies only with --budget-mb; "
+                         f"--schedule {args.schedule} is already planned. Drop one of them.")
+        try:
+            cli.image_target(args.out)
+            if args.schedule is not None:
+                trace = cli.read_trace(args.trace)
+                if args.budget_mb is not None:
+                    trace = trace.with_limit(cli.budget_bytes(args.budget_mb))
+                schedule = cli.read_schedule(args.schedule)
+                cli.simulate_checked(trace, schedule, args.schedule)
+            else:
+                trace, schedule, _ = cli.plan_file(args.trace, args.budget_mb, args.planner)
+            result = plot_timeline(trace, schedule, args.out)
+        except (cli.CommandError, ModuleNotFoundError) as error:  # matplotlib is optional
+            parser.error(str(error))
+        except OSError as error:
+            parser.error(f"--out {args.out}: cannot be written ({error}).")
+        Console().print(f"Memory timeline written to {args.out} (peak "
+                        f"{result.peak_bytes / cli.MIB:,.1f} MiB, overhead "
+                        f"{100 * result.overhead:.1f} %).")
+        return 0
+
+    return run
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Builds the ``swapopt`` parser with one subparser per registered command."""
+    parser = argparse.ArgumentParser(
+        prog="swapopt",
+        description="Keep optimizer state and activations in host memory, bit for bit.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log more (-v: info, -vv: debug)")
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    commands.required = True
+    for command in _COMMANDS:
+        sub = commands.add_parser(command.name, help=command.summary, description=command.summary)
+        sub.set_defaults(handler=command.configure(sub))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``swapopt`` command line.
+
+    Args:
+        argv: Arguments without the program name; ``sys.argv[1:]`` when None.
+
+    Returns:
+        The exit code: the command's own, or 2 for a usage error (0 for ``--help``).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help or a usage error: report the code instead of exiting
+        return _exit_code(exc)
+    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logger.debug("running command %s", args.command)
+    try:
+        return args.handler(args)
+    except SystemExit as exc:  # parser.error() raised from inside a handler
+        return _exit_code(exc)

@@ -1,0 +1,118 @@
+"""A picture of one simulated step: resident activation memory over time, and the copies.
+
+The top panel shows the activation bytes on the device over time without a plan (natural: every
+storage stays until its last access) and with the plan, and the budget as a horizontal line. The
+panel below has one lane per copy direction with a bar for every copy the simulator ran, so
+one can see where the copies overlap compute and where compute waits.
+
+matplotlib is an optional dependency (``pip install swapopt[plot]``); it is imported only here,
+and drawn with the Agg canvas so no display is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
+from swapopt_core._planning.simulate import SimulationResult, simulate
+
+__all__ = ["plot_timeline"]
+
+MIB = 1 << 20
+_NATURAL, _PLANNED, _BUDGET = "#9e9e9e", "#1f77b4", "#d62728"
+_LANES = (("D2H", "#ff7f0e"), ("H2D", "#2ca02c"))
+
+
+def _steps(timeline: Sequence[tuple[float, int]]) -> tuple[list[float], list[float]]:
+    """Points of a step line through ``timeline``, in ms and MiB.
+
+    Several changes can happen at one instant (a storage freed after an op and the next op's
+    output allocated): of those, the line shows the highest level, then the level it settles
+    at, so no instant peak is hidden and no instant dip draws a spike.
+    """
+    times: list[float] = [0.0]
+    mib: list[float] = [0.0]
+    i = 0
+    while i < len(timeline):
+        at, top = timeline[i][0], timeline[i][1]
+        j = i
+        while j + 1 < len(timeline) and timeline[j + 1][0] == at:
+            j += 1
+            top = max(top, timeline[j][1])
+        for level in (top, timeline[j][1]) if top != timeline[j][1] else (top,):
+            times.append(float(at))
+            mib.append(level / MIB)
+        i = j + 1
+    return times, mib
+
+
+def plot_timeline(trace: ActivationTrace, schedule: ResidencySchedule | None,
+                  out: str | Path, *, dpi: int = 150) -> SimulationResult:
+    """Simulate ``trace`` with ``schedule`` and draw its memory timeline to ``out`` (PNG).
+
+    Args:
+        trace: The step, with ``memory_limit_bytes`` as the budget line (``None``: no line).
+        schedule: The plan to draw; ``None`` draws only the run without a plan.
+        out: The image file; its suffix picks the format (``.png``, ``.svg``, ``.pdf``).
+        dpi: Resolution of raster formats.
+
+    Returns:
+        The simulation of ``trace`` under ``schedule``, as drawn.
+
+    Raises:
+        ModuleNotFoundError: matplotlib is not installed.
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "Plotting a memory timeline needs matplotlib: pip install 'swapopt[plot]'."
+        ) from error
+
+    natural = simulate(trace)
+    planned = simulate(trace, schedule)
+    figure = Figure(figsize=(10, 6), layout="constrained")
+    memory, lanes = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+
+    times, mib = _steps(natural.timeline)
+    memory.step(times, mib, where="post", color=_NATURAL, linewidth=1.2,
+                label=f"no plan, natural (peak {natural.peak_bytes / MIB:,.1f} MiB)")
+    memory.fill_between(times, mib, step="post", color=_NATURAL, alpha=0.15)
+    if schedule is not None:
+        times, mib = _steps(planned.timeline)
+        memory.step(times, mib, where="post", color=_PLANNED, linewidth=1.6,
+                    label=f"with plan (peak {planned.peak_bytes / MIB:,.1f} MiB)")
+        memory.fill_between(times, mib, step="post", color=_PLANNED, alpha=0.2)
+    budget = trace.memory_limit_bytes
+    if budget is not None:
+        memory.axhline(budget / MIB, color=_BUDGET, linestyle="--", linewidth=1.2,
+                       label=f"budget ({budget / MIB:,.1f} MiB)")
+    memory.set_ylabel("resident activations (MiB)")
+    memory.set_ylim(bottom=0)
+    memory.grid(True, alpha=0.3)
+    memory.legend(loc="upper right", fontsize="small")
+
+    labels = []
+    for lane, (direction, color) in enumerate(reversed(_LANES)):
+        spans = [(c.start_ms, c.end_ms - c.start_ms)
+                 for c in planned.copies if c.direction == direction]
+        if spans:
+            lanes.broken_barh(spans, (lane - 0.35, 0.7), facecolors=color,
+                              edgecolors="black", linewidth=0.3)
+        moved = planned.d2h_bytes if direction == "D2H" else planned.h2d_bytes
+        copies = f"{len(spans)} cop{'y' if len(spans) == 1 else 'ies'}"
+        labels.append(f"{direction}: {copies}\n{moved / MIB:,.1f} MiB")
+    lanes.set_yticks(range(len(_LANES)), labels, fontsize="small")
+    lanes.set_ylim(-0.6, len(_LANES) - 0.4)
+    lanes.set_xlabel("time (ms)")
+    lanes.grid(True, axis="x", alpha=0.3)
+    lanes.set_xlim(left=0, right=max(planned.total_ms, natural.total_ms) * 1.01 or 1.0)
+
+    title = (f"Activation memory over one step: {len(trace.ops)} ops, "
+             f"overhead {100 * planned.overhead:.1f} %")
+    if planned.demand_fetches:
+        title += f", {planned.demand_fetches} demand fetches"
+    figure.suptitle(title)
+    figure.savefig(out, dpi=dpi)
+    return planned

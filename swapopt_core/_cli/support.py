@@ -1,0 +1,214 @@
+"""What ``swapopt plan`` and ``swapopt plot`` share: reading files, choosing a planner, a summary.
+
+Every user mistake (a missing file, a file that is not a trace, a negative budget, an unknown
+planner) raises :class:`CommandError` with a message naming the flag, the value and the fix; the
+command line turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pluggy
+from rich.console import Group
+from rich.table import Table
+
+from swapopt_core._planning.bounds import min_feasible_budget, overhead_lower_bound
+from swapopt_core._planning.interface import ResidencyPlanner
+from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
+from swapopt_core._planning.simulate import SimulationResult, simulate
+
+__all__ = [
+    "DEFAULT_PLANNER",
+    "IMAGE_SUFFIXES",
+    "CommandError",
+    "budget_bytes",
+    "choose_planner",
+    "image_target",
+    "plan_file",
+    "plan_trace",
+    "read_schedule",
+    "read_trace",
+    "simulate_checked",
+    "summary",
+    "writable_target",
+    "write_text",
+]
+
+MIB = 1 << 20
+#: What ``--planner auto`` (the default) selects.
+DEFAULT_PLANNER = "timed"
+
+
+class CommandError(Exception):
+    """A command-line input is wrong; the message says which flag and how to fix it."""
+
+
+def _read(flag: str, path: str, what: str) -> str:
+    file = Path(path)
+    if not file.exists():
+        raise CommandError(f"{flag} {path}: no such file. Pass the path of {what}.")
+    if file.is_dir():
+        raise CommandError(f"{flag} {path}: is a directory. Pass the path of a JSON file.")
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise CommandError(
+            f"{flag} {path}: cannot be read ({error}). Check its permissions and encoding."
+        ) from None
+
+
+def _parse(path: str, flag: str, what: str, writer: str, parse: Any) -> Any:
+    try:
+        return parse(_read(flag, path, f"{what} written by {writer}"))
+    except ValueError as error:
+        raise CommandError(
+            f"{flag} {path}: not {what} ({error}). Pass a file written by {writer}; "
+            "docs/formats.md has the schema."
+        ) from None
+
+
+def read_trace(path: str, flag: str = "--trace") -> ActivationTrace:
+    """The trace in ``path``, as written by ``ActivationTrace.to_json()``."""
+    return _parse(path, flag, "an activation trace",
+                  "ActivationTrace.to_json() (OffloadSession.trace)", ActivationTrace.from_json)
+
+
+def read_schedule(path: str, flag: str = "--schedule") -> ResidencySchedule:
+    """The schedule in ``path``, as written by ``ResidencySchedule.to_json()``."""
+    return _parse(path, flag, "a residency schedule",
+                  "`swapopt plan` or ResidencySchedule.to_json()", ResidencySchedule.from_json)
+
+
+def simulate_checked(trace: ActivationTrace, schedule: ResidencySchedule | None, path: str,
+                     flag: str = "--schedule") -> SimulationResult:
+    """``simulate``, with a schedule that cannot run on ``trace`` reported against ``flag``."""
+    try:
+        return simulate(trace, schedule)
+    except ValueError as error:
+        raise CommandError(
+            f"{flag} {path}: does not fit this trace ({error}). Pass the schedule planned "
+            "for this trace (swapopt plan --trace ...), or --budget-mb to plan it now."
+        ) from None
+
+
+def budget_bytes(megabytes: float, flag: str = "--budget-mb") -> int:
+    """``megabytes`` MiB in bytes (rounded down); negative or not finite is refused."""
+    if not math.isfinite(megabytes) or megabytes < 0:
+        raise CommandError(
+            f"{flag} {megabytes:g}: the activation budget must be a finite number of MiB >= 0. "
+            f"Pass for example {flag} 512."
+        )
+    return int(megabytes * MIB)
+
+
+def choose_planner(manager: pluggy.PluginManager, name: str,
+                   flag: str = "--planner") -> ResidencyPlanner:
+    """The registered planner called ``name`` (``auto``: the default planner)."""
+    from swapopt_core._plugins import residency_planners
+
+    planners = residency_planners(manager)
+    wanted = DEFAULT_PLANNER if name == "auto" else name
+    if wanted not in planners:
+        choices = ", ".join(sorted({"auto", *planners}))
+        problem = (f"the default planner {wanted!r} is not registered" if name == "auto"
+                   else "no planner is registered under that name")
+        raise CommandError(
+            f"{flag} {name}: {problem}. Choose one of: {choices}; "
+            "or install the plugin that provides it (swapopt_register_planners)."
+        )
+    return planners[wanted]
+
+
+def plan_trace(trace: ActivationTrace, limit_bytes: int, planner: ResidencyPlanner,
+               ) -> tuple[ActivationTrace, ResidencySchedule]:
+    """``trace`` under the budget ``limit_bytes`` and the schedule ``planner`` makes for it."""
+    limited = trace.with_limit(limit_bytes)
+    return limited, planner.plan(limited)
+
+
+def plan_file(trace_path: str, budget_mb: float, planner_name: str,
+              ) -> tuple[ActivationTrace, ResidencySchedule, str]:
+    """The trace in ``trace_path`` under ``budget_mb`` MiB, the schedule the registered
+    planner ``planner_name`` makes for it, and that planner's name (``auto`` resolved)."""
+    from swapopt_core._plugins import get_plugin_manager
+
+    trace = read_trace(trace_path)
+    limit = budget_bytes(budget_mb)
+    planner = choose_planner(get_plugin_manager(), planner_name)
+    return (*plan_trace(trace, limit, planner), planner.name)
+
+
+def write_text(path: str, text: str, flag: str = "--out") -> None:
+    """Write ``text`` to ``path``; a refused write is a ``CommandError``."""
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise CommandError(f"{flag} {path}: cannot be written ({error}).") from None
+
+
+def writable_target(path: str, flag: str = "--out") -> None:
+    """Refuse ``path`` early when its folder is missing or it names a folder."""
+    file = Path(path)
+    if file.is_dir():
+        raise CommandError(f"{flag} {path}: is a directory. Pass a file name.")
+    if not file.parent.is_dir():
+        raise CommandError(
+            f"{flag} {path}: the folder {file.parent} does not exist. Create it first."
+        )
+
+
+#: Image formats ``swapopt plot`` writes, by file suffix.
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def image_target(path: str, flag: str = "--out") -> None:
+    """Refuse an image path whose folder is missing or whose suffix names no known format."""
+    writable_target(path, flag)
+    if Path(path).suffix.lower() not in IMAGE_SUFFIXES:
+        raise CommandError(
+            f"{flag} {path}: the file name must end in {', '.join(IMAGE_SUFFIXES)} (the format "
+            "is taken from it). Pass for example --out timeline.png."
+        )
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MIB:,.2f} MiB"
+
+
+def summary(trace: ActivationTrace, schedule: ResidencySchedule, planner_name: str,
+            result: SimulationResult) -> Group:
+    """What the plan does to one simulated step (memory, time, copies), with any warning."""
+    budget = trace.memory_limit_bytes
+    heading = (f"Plan by [bold]{planner_name}[/] for {len(trace.ops)} ops, "
+               f"{len(trace.storage_sizes)} activation storages:")
+    table = Table(show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    notes: list[str] = []
+    table.add_row("natural peak", _mib(result.natural_peak_bytes))
+    table.add_row("budget", "unlimited" if budget is None else _mib(budget))
+    peak = _mib(result.peak_bytes)
+    if budget is not None and result.peak_bytes > budget:
+        peak = f"[red]{peak}, over budget[/]"
+        floor = min_feasible_budget(trace)
+        if budget < floor:
+            notes.append(f"[yellow]No plan fits under {_mib(floor)}: some op needs that much "
+                         "on the device by itself (its inputs, outputs and what is retained). "
+                         "Raise --budget-mb.[/]")
+    table.add_row("planned peak", peak)
+    table.add_row("step time", f"{result.compute_ms:,.3f} ms -> {result.total_ms:,.3f} ms")
+    overhead = f"{100 * result.overhead:.1f} %"
+    bound = overhead_lower_bound(trace)
+    if budget is not None and math.isfinite(bound) and result.peak_bytes <= budget:
+        overhead += f" (no plan can go below {100 * bound:.1f} %)"
+    table.add_row("overhead", overhead)
+    table.add_row("actions", str(len(schedule)))
+    table.add_row("moved D2H / H2D", f"{_mib(result.d2h_bytes)} / {_mib(result.h2d_bytes)}")
+    table.add_row("host peak", _mib(result.peak_host_bytes))
+    if result.demand_fetches:
+        table.add_row("demand fetches", f"[yellow]{result.demand_fetches}, "
+                      f"{result.demand_fetch_ms:,.3f} ms waited[/]")
+    return Group(heading, table, *notes)

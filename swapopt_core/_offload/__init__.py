@@ -1,1 +1,0 @@
-"""Activation offload: warmup tracer, residency planner, simulator and replay executor."""

@@ -1,0 +1,399 @@
+"""The swap engine installed on one optimizer: hooks, state bookkeeping and the step."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+import torch
+
+from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
+from swapopt_core._errors import SwapOptError
+from swapopt_core._partition import partition
+from swapopt_core._pipeline import run_pipeline
+from swapopt_core._runtime import TransferRuntime
+from swapopt_core._torch.adapter import OptimizerAdapter
+from swapopt_core._torch.staging import PackedStaging, PerTensorStaging
+from swapopt_core._torch.state import Slot, local_tensor, wrap_like
+
+logger = logging.getLogger(__name__)
+
+
+
+@dataclass(eq=False)
+class _Unit:
+    """One parameter taking part in a step, with its swapped slots."""
+
+    group: int
+    param: torch.Tensor
+    grad: torch.Tensor
+    slots: list[Slot] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.nbytes for slot in self.slots)
+
+
+class SwapEngine(EngineBase):
+    """Keeps an optimizer's swappable state in host memory and runs its step as a pipeline.
+
+    Installed through the optimizer's own hooks, so the object keeps its identity: the
+    adapter silences the family's own update (``step`` still runs the closure and returns
+    its loss, but finds no parameter to update), and a step post-hook runs the pipeline.
+    """
+
+    packed_staging = PackedStaging
+    per_tensor_staging = PerTensorStaging
+    optimizer: torch.optim.Optimizer
+    adapter: OptimizerAdapter
+    staging: PackedStaging | PerTensorStaging
+    slots: dict[tuple[int, str], Slot]
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: SwapOptimizerConfig,
+        adapter: OptimizerAdapter,
+        runtime: TransferRuntime,
+        plugin_manager: pluggy.PluginManager,
+    ) -> None:
+        super().__init__(optimizer, config, adapter, runtime, plugin_manager)
+        self._handles: list[Any] = []
+        self._pending_load: dict[tuple[int, str], torch.Tensor] = {}
+        # Units finished by a step that was then interrupted, with the grad they used.
+        self._finished: dict[int, tuple[torch.Tensor, int]] = {}
+        self._unsilence: Callable[[], None] | None = None
+
+    # ---- install / remove ----------------------------------------------------------------
+
+    def install(self) -> None:
+        opt = self.optimizer
+        self.adapter.validate(opt)
+        try:
+            # Offload state that exists already, so it is not resident through the next
+            # forward/backward. Done first: a failure here leaves no hook behind.
+            self.sync_state()
+        except BaseException:
+            self._restore_state()
+            raise
+        self._unsilence = self.adapter.silence(opt)
+        step_post = opt.register_step_post_hook(self._post_step)
+        # Before post-hooks the user registered earlier: they expect an updated model.
+        opt._optimizer_step_post_hooks.move_to_end(step_post.id, last=False)
+        load_pre = opt.register_load_state_dict_pre_hook(self._before_load)
+        self._handles = [
+            step_post,
+            load_pre,
+            opt.register_state_dict_pre_hook(self._before_state_dict),
+            # First, so the user's load post-hooks find the swapped entries in place.
+            opt.register_load_state_dict_post_hook(self._after_load, prepend=True),
+        ]
+        self._keep_load_pre_hook_last(load_pre.id)
+        setattr(opt, ENGINE_ATTR, self)
+
+    def _keep_load_pre_hook_last(self, hook_id: int) -> None:
+        """Keep our load pre-hook after any the user adds later.
+
+        It takes the swapped entries out of the dict torch is about to load; a user's own
+        pre-hook must still see (and may edit) the whole checkpoint first.
+        """
+        opt = self.optimizer
+        register = type(opt).register_load_state_dict_pre_hook.__get__(opt)
+
+        def register_before_swap(hook: Callable[..., Any], prepend: bool = False) -> Any:
+            handle = register(hook, prepend=prepend)
+            opt._optimizer_load_state_dict_pre_hooks.move_to_end(hook_id)
+            return handle
+
+        opt.register_load_state_dict_pre_hook = register_before_swap  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        """Move every swapped state back to its device and remove the hooks."""
+        self._restore_state()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._unsilence is not None:
+            self._unsilence()
+            self._unsilence = None
+        del self.optimizer.register_load_state_dict_pre_hook
+        delattr(self.optimizer, ENGINE_ATTR)
+
+    def _restore_state(self) -> None:
+        self.runtime.synchronize()
+        for slot in self.slots.values():
+            local = torch.empty_like(slot.host, device=slot.device)
+            local.copy_(slot.host)
+            self.optimizer.state[slot.param][slot.key] = wrap_like(local, slot.value)
+        self.slots.clear()
+
+    # ---- state bookkeeping ---------------------------------------------------------------
+
+    def keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
+        keys = self.adapter.state_keys(group)
+        wanted = self.config.state_keys
+        return keys if wanted is None else tuple(k for k in keys if k in wanted)
+
+    def swappable(self, param: torch.Tensor, value: object) -> bool:
+        if not isinstance(value, torch.Tensor):
+            return False
+        local = local_tensor(value)
+        return self._eligible(param, local.dtype, local.numel()) and (
+            local.layout == torch.strided and local.is_contiguous()
+        )
+
+    def _eligible(self, param: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
+        return (
+            dtype.is_floating_point
+            and numel >= self.config.min_numel
+            and self.runtime.accepts(local_tensor(param).device)
+        )
+
+    def _host_copy(self, local: torch.Tensor, *, settled: bool = False) -> torch.Tensor:
+        """Host memory holding ``local``'s values for a new slot.
+
+        In packed mode the slot is about to be copied into the packed buffer by the layout
+        that ends ``sync_state``, so unless ``settled`` is asked for (state created inside a
+        step, which must leave the device now) the source itself stands in until then.
+        """
+        if self.staging.packed:
+            return local.to("cpu", copy=True) if settled else local
+        host = self.runtime.alloc_host(local.numel(), local.dtype).view(local.shape)
+        return host.copy_(local)
+
+    def _adopt(
+        self, param: torch.Tensor, key: str, value: torch.Tensor, *, settled: bool = False
+    ) -> Slot:
+        """Take ``value`` into host memory and make it the state entry."""
+        host = self._host_copy(local_tensor(value), settled=settled)
+        slot = Slot(param, key, host, wrap_like(host, value), local_tensor(param).device)
+        self.optimizer.state[param][key] = slot.value
+        self.slots[(id(param), key)] = slot
+        return slot
+
+    def _slot(self, param: torch.Tensor, key: str, state: MutableMapping[str, Any]) -> Slot | None:
+        value = state.get(key)
+        slot = self.slots.get((id(param), key))
+        if slot is not None and slot.value is value:
+            return slot
+        if not self.swappable(param, value):
+            self.slots.pop((id(param), key), None)
+            return None
+        return self._adopt(param, key, value)
+
+    def _make_state(self, keys: tuple[str, ...], key: str, like: torch.Tensor) -> torch.Tensor:
+        """The ``make`` callback adapters create lazy state with (see ``StateFactory``)."""
+        local = local_tensor(like)
+        if key in keys and local.is_contiguous() and self._eligible(
+            like, local.dtype, local.numel()
+        ):
+            # Zeros straight into host memory: nothing is allocated on the device. Packed
+            # mode needs no memory at all until the layout writes the zeros in place.
+            zero = torch.zeros((), dtype=local.dtype)
+            host = zero.expand(local.shape) if self.staging.packed else self._host_copy(
+                zero.expand(local.shape)
+            )
+            slot = Slot(like, key, host, wrap_like(host, like), local.device)
+            self.slots[(id(like), key)] = slot
+            return slot.value
+        return torch.zeros_like(like, memory_format=torch.preserve_format)
+
+    def sync_state(self, *, stepping: bool = False) -> list[_Unit]:
+        """Bring ``optimizer.state`` in line with the slots; return the units to step.
+
+        Any swappable entry that is not one of our host tensors (state created before
+        install, loaded by a framework, or moved back to the device) is taken into host
+        memory here. With ``stepping``, lazily initialises the state of parameters about to
+        be stepped.
+        """
+        opt = self.optimizer
+        units: list[_Unit] = []
+        ordered: list[Slot] = []
+        live: set[tuple[int, str]] = set()
+        for index, group in enumerate(opt.param_groups):
+            keys = self.keys(group)
+            for param in group["params"]:
+                grad = param.grad if stepping else None
+                state = opt.state.get(param)
+                if grad is not None and not state:
+                    state = opt.state[param]
+                    make = functools.partial(self._make_state, keys)
+                    self.adapter.init_state(group, param, state, make)
+                slots = []
+                for key in keys if state else ():
+                    slot = self._slot(param, key, state)
+                    if slot is not None:
+                        slots.append(slot)
+                        live.add((id(param), key))
+                ordered.extend(slots)
+                if grad is not None:
+                    units.append(_Unit(index, param, grad, slots))
+        for stale in self.slots.keys() - live:
+            del self.slots[stale]
+        if isinstance(self.staging, PackedStaging):
+            self.staging.layout(ordered, self._publish)
+        return units
+
+    def _publish(self, slot: Slot) -> None:
+        self.optimizer.state[slot.param][slot.key] = slot.value
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def _post_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.step()
+
+    def _check_grads(self) -> None:
+        for index, group in enumerate(self.optimizer.param_groups):
+            for position, param in enumerate(group["params"]):
+                if param.grad is not None and param.grad.layout != torch.strided:
+                    raise SwapOptError(
+                        f"param_groups[{index}]['params'][{position}] has a {param.grad.layout} "
+                        f"gradient; {self.adapter.family} under swapopt needs dense gradients. "
+                        "Use a dense embedding (sparse=False) or a sparse optimizer unswapped."
+                    )
+
+    def step(self) -> None:
+        """Run one swapped update of every parameter that has a gradient."""
+        opt = self.optimizer
+        self.adapter.validate(opt)
+        self._check_grads()
+        with torch.no_grad():
+            units = self.sync_state(stepping=True)
+            units = [u for u in units if not self._already_done(u)]
+            runs = partition([u.nbytes for u in units], self.config.swap_times)
+            batches = [[units[k] for k in run] for run in runs]
+            done: dict[int, tuple[torch.Tensor, int]] = {}
+
+            def update(i: int, views: dict[Slot, torch.Tensor]) -> None:
+                self._update_batch(batches[i], views)
+                for unit in batches[i]:
+                    done[id(unit.param)] = (unit.grad, unit.grad._version)
+
+            try:
+                h2d, d2h = run_pipeline(
+                    [[s for u in b for s in u.slots] for b in batches],
+                    self.staging, self.runtime, update,
+                )
+            except BaseException:
+                self._finished.update(done)
+                raise
+        self._finished.clear()
+        self.finish_step(h2d, d2h, len(batches))
+
+    def _already_done(self, unit: _Unit) -> bool:
+        record = self._finished.get(id(unit.param))
+        return record is not None and record[0] is unit.grad and record[1] == unit.grad._version
+
+    def _update_batch(self, units: list[_Unit], views: dict[Slot, torch.Tensor]) -> None:
+        opt = self.optimizer
+        by_group: dict[int, list[_Unit]] = {}
+        for unit in units:
+            by_group.setdefault(unit.group, []).append(unit)
+        for index, members in by_group.items():
+            group = opt.param_groups[index]
+            keys = self.keys(group)
+            works = []
+            for unit in members:
+                work = {k: local_tensor(v) if isinstance(v, torch.Tensor) else v
+                        for k, v in opt.state[unit.param].items()}
+                for slot in unit.slots:
+                    work[slot.key] = views[slot]
+                works.append(work)
+            self.adapter.update(
+                opt, group,
+                [local_tensor(u.param) for u in members],
+                [local_tensor(u.grad) for u in members],
+                works,
+            )
+            for unit, work in zip(members, works, strict=True):
+                self._store(unit, work, keys, views)
+
+    def _store(self, unit: _Unit, work: dict, keys: tuple[str, ...], views: dict) -> None:
+        """Write back what the update created or replaced in its working copy of the state."""
+        state = self.optimizer.state[unit.param]
+        swapped = {slot.key: slot for slot in unit.slots}
+        for key, value in work.items():
+            slot = swapped.get(key)
+            if slot is not None:
+                if value is not views[slot]:
+                    views[slot].copy_(value)
+                continue
+            old = state.get(key)
+            if old is not None and (old is value or local_tensor(old) is value):
+                continue
+            if key in keys and self.swappable(unit.param, value):
+                # Created by the update (SGD momentum): take it to host memory right away.
+                self._adopt(unit.param, key, wrap_like(value, unit.param), settled=True)
+            else:
+                like = old if isinstance(old, torch.Tensor) else unit.param
+                state[key] = wrap_like(value, like) if isinstance(value, torch.Tensor) else value
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def _before_state_dict(self, opt: torch.optim.Optimizer) -> None:
+        # state_dict() hands out the host tensors: no copy may still be writing them.
+        self.runtime.synchronize()
+
+    def _before_load(self, opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        """Keep swapped entries away from torch's loader, which would put them on the device."""
+        self.runtime.synchronize()
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        stripped = dict(saved_state)
+        self._pending_load = {}
+        if len(saved_groups) != len(opt.param_groups):
+            return state_dict  # torch's loader reports the mismatch
+        for saved, group in zip(saved_groups, opt.param_groups, strict=True):
+            keys = self.keys(saved)
+            for saved_id, param in zip(saved["params"], group["params"], strict=False):
+                entry = saved_state.get(saved_id)
+                if not isinstance(entry, dict):
+                    continue
+                moved = {k: v for k, v in entry.items() if k in keys and self.swappable(param, v)}
+                if moved:
+                    stripped[saved_id] = {k: v for k, v in entry.items() if k not in moved}
+                    for key, value in moved.items():
+                        self._pending_load[(id(param), key)] = value
+        return {**state_dict, "state": stripped}
+
+    def _after_load(self, opt: torch.optim.Optimizer) -> None:
+        pending, self._pending_load = self._pending_load, {}
+        self.slots.clear()
+        for group in opt.param_groups:
+            for param in group["params"]:
+                for key in self.keys(group):
+                    value = pending.get((id(param), key))
+                    if value is None:
+                        continue
+                    local = local_tensor(value)
+                    if local_tensor(param).is_floating_point():
+                        # Cast like torch's loader does, but into host memory, not the device.
+                        local = local.to(device="cpu", dtype=param.dtype)
+                    host = self._host_copy(local)
+                    slot = Slot(param, key, host, wrap_like(host, _layout_source(value, param)),
+                                local_tensor(param).device)
+                    opt.state[param][key] = slot.value
+                    self.slots[(id(param), key)] = slot
+        with torch.no_grad():
+            self.sync_state()
+
+    # ---- reporting -----------------------------------------------------------------------
+
+    def host_state_bytes(self) -> int:
+        if isinstance(self.staging, PackedStaging) and self.staging.buffers:
+            return sum(b.numel() * b.element_size() for b in self.staging.buffers.values())
+        return super().host_state_bytes()
+
+
+def _layout_source(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Whose distributed layout a loaded state entry takes: its own, else its parameter's."""
+    if local_tensor(value) is not value:
+        return value
+    if local_tensor(param).shape == value.shape:
+        return param
+    return value

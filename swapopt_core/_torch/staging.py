@@ -1,0 +1,175 @@
+"""Where a batch of swapped state lives on the device during a step.
+
+``PerTensorStaging`` gives every state tensor its own device storage, allocated before its
+copy in and released right after its copy out. ``PackedStaging`` keeps all swapped state of
+one dtype in one exact-size host buffer and moves a batch with one copy per dtype into one
+of two device arenas that alternate between batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from swapopt_core._layout import DeviceLedger, plan_layout
+from swapopt_core._runtime import CopyPair, TransferRuntime
+from swapopt_core._torch.state import Slot, wrap_like
+
+__all__ = ["PackedStaging", "PerTensorStaging", "Staged"]
+
+_ALIGN = 512  # bytes; every dtype section of an arena starts on this boundary
+
+
+def _carve(buffer: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """A 1-D tensor over ``buffer[offset:offset + numel]`` with a storage of its own.
+
+    The piece aliases the buffer's memory and keeps it alive, but starts at storage offset
+    0: it pickles on its own, and a DTensor wrapping it saves and deep-copies normally
+    (a DTensor over a view with an offset cannot be saved in torch 2.13).
+    """
+    size = buffer.element_size()
+    piece = buffer.untyped_storage()[offset * size : (offset + numel) * size]
+    return torch.empty(0, dtype=buffer.dtype).set_(piece)
+
+
+@dataclass
+class Staged:
+    """One batch on the device: a device view per slot and the copies that move it."""
+
+    views: dict[Slot, torch.Tensor] = field(default_factory=dict)
+    pairs: list[CopyPair] = field(default_factory=list)
+    owned: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def copy_bytes(self) -> int:
+        return sum(d.numel() * d.element_size() for d, _ in self.pairs)
+
+
+class PerTensorStaging:
+    """Each slot gets its own device storage for the time its batch is on the device."""
+
+    packed = False
+
+    def __init__(self, runtime: TransferRuntime, ledger: DeviceLedger) -> None:
+        self.runtime = runtime
+        self.ledger = ledger
+
+    def begin(self, batches: Sequence[Sequence[Slot]]) -> None:
+        return None
+
+    def stage(self, index: int, slots: Sequence[Slot]) -> Staged:
+        staged = Staged()
+        try:
+            for slot in slots:
+                flat = self.runtime.alloc_device(slot.host.numel(), slot.host.dtype, slot.device)
+                self.ledger.add(slot.nbytes)
+                staged.owned.append(flat)
+                view = flat.view(slot.host.shape)
+                staged.views[slot] = view
+                staged.pairs.append((view, slot.host))
+        except BaseException:
+            self.unstage(staged)
+            raise
+        return staged
+
+    def unstage(self, staged: Staged) -> None:
+        for flat in staged.owned:
+            self.ledger.sub(flat.numel() * flat.element_size())
+            self.runtime.release_device(flat)
+        staged.owned.clear()
+
+    def end(self) -> None:
+        return None
+
+
+class PackedStaging:
+    """All slots of a dtype share one host buffer; batches alternate between two arenas."""
+
+    packed = True
+
+    def __init__(self, runtime: TransferRuntime, ledger: DeviceLedger) -> None:
+        self.runtime = runtime
+        self.ledger = ledger
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._signature: tuple[int, ...] = ()
+        self._sections: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> (byte offset, bytes)
+        self._regions: list[dict[torch.dtype, tuple[int, int]]] = []  # per batch: lo, hi
+        self._arenas: list[torch.Tensor] = []
+        self._device: torch.device | None = None
+
+    # ---- host layout ---------------------------------------------------------------------
+
+    def layout(self, slots: Sequence[Slot], publish: Callable[[Slot], None]) -> bool:
+        """Pack ``slots`` (in layout order) into one host buffer per dtype if they changed.
+
+        Returns:
+            Whether the layout was rebuilt.
+        """
+        plan = plan_layout(slots, self._signature, lambda s: (s.host.dtype, s.host.numel()))
+        if plan is None:
+            return False
+        signature, totals = plan
+        buffers = {dtype: self.runtime.alloc_host(n, dtype) for dtype, n in totals.items()}
+        cursor = dict.fromkeys(totals, 0)
+        for slot in slots:
+            dtype, numel = slot.host.dtype, slot.host.numel()
+            view = _carve(buffers[dtype], cursor[dtype], numel).view(slot.host.shape)
+            view.copy_(slot.host)  # broadcasts the expanded zeros of fresh state
+            slot.offset = cursor[dtype]
+            cursor[dtype] += numel
+            slot.host = view
+            slot.value = wrap_like(slot.host, slot.value)
+            publish(slot)
+        self.buffers = buffers
+        self._signature = signature
+        return True
+
+    # ---- device arenas -------------------------------------------------------------------
+
+    def begin(self, batches: Sequence[Sequence[Slot]]) -> None:
+        self._regions = []
+        widest: dict[torch.dtype, int] = {}
+        for slots in batches:
+            regions: dict[torch.dtype, tuple[int, int]] = {}
+            for slot in slots:
+                end = slot.offset + slot.host.numel()
+                lo, hi = regions.get(slot.host.dtype, (slot.offset, end))
+                regions[slot.host.dtype] = (min(lo, slot.offset), max(hi, end))
+                self._device = slot.device
+            for dtype, (lo, hi) in regions.items():
+                widest[dtype] = max(widest.get(dtype, 0), (hi - lo) * dtype.itemsize)
+            self._regions.append(regions)
+        offset = 0
+        self._sections = {}
+        for dtype in sorted(widest, key=str):
+            self._sections[dtype] = (offset, widest[dtype])
+            offset += -(-widest[dtype] // _ALIGN) * _ALIGN
+        if offset and self._device is not None:
+            for _ in range(min(2, len(batches))):
+                self._arenas.append(self.runtime.alloc_device(offset, torch.uint8, self._device))
+                self.ledger.add(offset)
+
+    def stage(self, index: int, slots: Sequence[Slot]) -> Staged:
+        staged = Staged()
+        for dtype, (lo, hi) in self._regions[index].items():
+            start, nbytes = self._sections[dtype]
+            section = self._arenas[index % 2].narrow(0, start, nbytes).view(dtype)
+            region = self.buffers[dtype].narrow(0, lo, hi - lo)
+            staged.pairs.append((section.narrow(0, 0, hi - lo), region))
+            for slot in slots:
+                if slot.host.dtype == dtype:
+                    view = section.narrow(0, slot.offset - lo, slot.host.numel())
+                    staged.views[slot] = view.view(slot.host.shape)
+        return staged
+
+    def unstage(self, staged: Staged) -> None:
+        return None
+
+    def end(self) -> None:
+        for arena in self._arenas:
+            self.ledger.sub(arena.numel())
+            self.runtime.release_device(arena)
+        self._arenas = []
+        self._regions = []

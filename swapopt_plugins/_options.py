@@ -1,0 +1,162 @@
+"""The ``SWAPOPT_*`` environment variables the Lightning and Accelerate integrations read.
+
+This module only names the variables and says which config field each one feeds; the
+values are checked and converted by the core's one parser
+(``SwapOptimizerConfig.from_options`` and ``OffloadConfig.from_options``), so a bad value
+gets the same kind of error wherever it is written.
+
+Settings (field name: environment variable):
+
+- ``offload_optimizer_device``: ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE``, ``none`` or ``cpu``.
+- ``swap_times``: ``SWAPOPT_SWAP_TIMES``, an integer >= 1.
+- ``min_numel``: ``SWAPOPT_MIN_NUMEL``, an integer >= 0.
+- ``packed_swap``: ``SWAPOPT_PACKED_SWAP``, a yes/no word, or ``auto`` for the runtime default.
+- ``runtime``: ``SWAPOPT_RUNTIME``, ``auto`` or a registered torch runtime (optimizer swap).
+- ``activation_budget_mb``: ``SWAPOPT_ACTIVATION_BUDGET_MB``, MiB >= 0, or ``none``.
+- ``activation_runtime``: ``SWAPOPT_ACTIVATION_RUNTIME``, ``auto`` (where the activations
+  live), ``cuda`` or ``loopback``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from swapopt_core import OffloadConfig, SwapOptimizerConfig
+from swapopt_core._options import NO, YES, Invalid, Option, parse_bool, parse_mib, read_options
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AUTO_ENV", "ENV_VARS", "Settings", "auto_enabled", "read_settings"]
+
+#: Field name -> the environment variable it defaults from.
+ENV_VARS: dict[str, str] = {
+    "offload_optimizer_device": "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE",
+    "swap_times": "SWAPOPT_SWAP_TIMES",
+    "min_numel": "SWAPOPT_MIN_NUMEL",
+    "packed_swap": "SWAPOPT_PACKED_SWAP",
+    "runtime": "SWAPOPT_RUNTIME",
+    "activation_budget_mb": "SWAPOPT_ACTIVATION_BUDGET_MB",
+    "activation_runtime": "SWAPOPT_ACTIVATION_RUNTIME",
+}
+#: Set to a yes word to add the Lightning callback to every Trainer through entry points.
+AUTO_ENV = "SWAPOPT_LIGHTNING_AUTO"
+
+_SWAP_FIELDS = ("swap_times", "min_numel", "packed_swap", "runtime")
+
+
+def _device(value: object) -> str:
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word not in ("none", "cpu"):
+        raise Invalid
+    return word
+
+
+_OWN = {
+    "offload_optimizer_device": Option(_device, "'none' or 'cpu'"),
+    "activation_budget_mb": Option(
+        parse_mib(allow_none=True),
+        "a number of MiB >= 0, or 'none' to switch activation offload off",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved settings of an integration.
+
+    Attributes:
+        values: Every field of ``ENV_VARS`` by name, checked and converted (fields neither
+            given nor set in the environment hold their defaults).
+        swap: The optimizer-swap config.
+        activations: The activation-offload config, or ``None`` when no budget is set.
+    """
+
+    values: dict[str, Any]
+    swap: SwapOptimizerConfig
+    activations: OffloadConfig | None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether optimizer state goes to host memory (``offload_optimizer_device=cpu``)."""
+        return self.values["offload_optimizer_device"] == "cpu"
+
+
+def read_settings(
+    explicit: Mapping[str, object], *, owner: str, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Resolve every setting from an explicit value, else its environment variable.
+
+    Args:
+        explicit: Field name to value; ``None`` (or a missing name) reads the environment
+            variable, else the default. Unknown names are rejected.
+        owner: How errors name an explicit value, e.g. ``"SwapOptimizerPlugin"``.
+        environ: Where variables are read. Default: ``os.environ``.
+
+    Raises:
+        ValueError: A value or variable is invalid; the message names it (``owner.field`` or
+            ``environment variable NAME``), shows the value and says what is accepted.
+    """
+    environ = os.environ if environ is None else environ
+    given: dict[str, object] = {}
+    labels: dict[str, str] = {}
+    for name, value in explicit.items():
+        if value is not None:
+            given[name] = value
+            labels[name] = f"{owner}.{name}"
+    for name, variable in ENV_VARS.items():
+        raw = environ.get(variable)
+        if name in given or raw is None:
+            continue
+        if raw.strip() == "" and name != "activation_budget_mb":
+            continue  # an empty variable means "unset", except that it switches a budget off
+        given[name] = raw
+        labels[name] = f"environment variable {variable}"
+    unknown = sorted(set(given) - set(ENV_VARS))
+    if unknown:
+        raise ValueError(f"{owner} has no setting {unknown}; known: {sorted(ENV_VARS)}.")
+    own = read_options(_OWN, {k: v for k, v in given.items() if k in _OWN},
+                       source=owner, labels=labels)
+    swap = SwapOptimizerConfig.from_options(
+        {k: given[k] for k in _SWAP_FIELDS if k in given},
+        source=owner, labels=labels, framework="torch",
+    )
+    budget = own.get("activation_budget_mb")
+    wanted = {"max_resident_activation_mb": budget} if budget is not None else {}
+    if "activation_runtime" in given:
+        wanted["runtime"] = given["activation_runtime"]
+    # Checked even without a budget, so a misspelt runtime is reported at once.
+    checked = OffloadConfig.from_options(
+        wanted, source=owner,
+        labels={"runtime": labels.get("activation_runtime", f"{owner}.activation_runtime")},
+    )
+    activations = checked if budget is not None else None
+    values: dict[str, Any] = {
+        "offload_optimizer_device": own.get("offload_optimizer_device", "none"),
+        **{name: getattr(swap, name) for name in _SWAP_FIELDS},
+        "activation_budget_mb": budget,
+        "activation_runtime": checked.runtime,
+    }
+    logger.debug("swapopt settings for %s: %s", owner, values)
+    return Settings(values, swap, activations)
+
+
+def auto_enabled(environ: Mapping[str, str]) -> bool:
+    """Whether ``SWAPOPT_LIGHTNING_AUTO`` asks for the callback on every Trainer.
+
+    Raises:
+        ValueError: The variable holds something other than a yes/no word.
+    """
+    raw = environ.get(AUTO_ENV, "")
+    if not raw.strip():
+        return False
+    try:
+        return parse_bool(raw)
+    except Invalid:
+        raise ValueError(
+            f"environment variable {AUTO_ENV}={raw!r} is invalid; accepted: a boolean "
+            f"({'/'.join(YES + NO)})."
+        ) from None

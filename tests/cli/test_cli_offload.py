@@ -1,0 +1,233 @@
+"""Tests of ``swapopt plan`` and ``swapopt plot`` on a small hand-made activation trace."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from swapopt_core._cli.main import main
+from swapopt_core._planning.ir import (
+    Access,
+    AccessKind,
+    ActivationTrace,
+    ResidencySchedule,
+    TraceOp,
+)
+from swapopt_core._planning.simulate import simulate
+
+MIB = 1 << 20
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+R, W = AccessKind.READ, AccessKind.WRITE
+
+
+def _op(name: str, ms: float, *accesses: tuple[int, AccessKind]) -> TraceOp:
+    return TraceOp(name, ms, tuple(Access(sid, kind) for sid, kind in accesses))
+
+
+def small_trace() -> ActivationTrace:
+    """Activation 1 is made first and read last, with three long ops in between.
+
+    Storage 9 is a weight (not an activation). Natural peak: 12 MiB during ops 2 and 3;
+    with storage 1 away from op 1 to op 3 the step fits in 9 MiB.
+    """
+    ops = (
+        _op("embed", 0.1, (9, R), (1, W)),
+        _op("mm1", 1.0, (9, R), (2, W)),
+        _op("mm2", 1.0, (2, R), (3, W)),
+        _op("mm3", 1.0, (3, R), (4, W)),
+        _op("loss", 0.1, (1, R), (4, R), (5, W)),
+    )
+    sizes = {1: 4 * MIB, 2: 4 * MIB, 3: 4 * MIB, 4: 4 * MIB, 5: MIB}
+    return ActivationTrace(ops, sizes, frozenset({5}), None, 16.0, 16.0)
+
+
+@pytest.fixture(autouse=True)
+def _wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+@pytest.fixture
+def trace_file(tmp_path: Path) -> Path:
+    path = tmp_path / "trace.json"
+    path.write_text(small_trace().to_json())
+    return path
+
+
+def test_plan_writes_a_schedule_that_fits_the_budget(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--trace", str(trace_file), "--budget-mb", "9", "--out", str(out)]) == 0
+    schedule = ResidencySchedule.from_json(out.read_text())
+    assert len(schedule) > 0
+    result = simulate(small_trace().with_limit(9 * MIB), schedule)
+    assert result.natural_peak_bytes == 12 * MIB
+    assert result.peak_bytes <= 9 * MIB
+    printed = capsys.readouterr().out
+    for label in ("natural peak", "budget", "planned peak", "overhead", "actions", "moved"):
+        assert label in printed
+    assert "12.00 MiB" in printed and "9.00 MiB" in printed
+
+
+def test_plan_with_a_budget_above_the_peak_moves_nothing(
+    trace_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--trace", str(trace_file), "--budget-mb", "64", "--out", str(out),
+            "--planner", "timed"]
+    assert main(argv) == 0
+    schedule = ResidencySchedule.from_json(out.read_text())
+    assert simulate(small_trace(), schedule).d2h_bytes == 0
+
+
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_plan_refuses_a_missing_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.json"
+    err = _usage_error(["plan", "--trace", str(missing), "--budget-mb", "9",
+                       "--out", str(tmp_path / "p.json")], capsys)
+    assert f"--trace {missing}: no such file" in err
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"ops": []}', "storage_sizes"),
+        ('{"ops": [], "storage_sizes": {}, "d2h_bandwidth_gbps": 0}', "d2h_bandwidth_gbps"),
+    ],
+)
+def test_plan_refuses_a_file_that_is_not_a_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, expected: str
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    err = _usage_error(["plan", "--trace", str(bad), "--budget-mb", "9",
+                       "--out", str(tmp_path / "p.json")], capsys)
+    assert f"--trace {bad}: not an activation trace" in err
+    assert expected in err
+    assert "ActivationTrace.to_json()" in err  # the fix
+
+
+def test_plan_refuses_a_negative_budget(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _usage_error(["plan", "--trace", str(trace_file), "--budget-mb", "-5",
+                       "--out", str(tmp_path / "p.json")], capsys)
+    assert "--budget-mb -5" in err and ">= 0" in err
+
+
+def test_plan_refuses_an_unknown_planner(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _usage_error(["plan", "--trace", str(trace_file), "--budget-mb", "9",
+                       "--out", str(tmp_path / "p.json"), "--planner", "psychic"], capsys)
+    assert "--planner psychic" in err
+    assert "timed" in err  # the choices
+
+
+def test_plan_refuses_an_output_in_a_missing_folder(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "no" / "such" / "p.json"
+    err = _usage_error(["plan", "--trace", str(trace_file), "--budget-mb", "9",
+                       "--out", str(out)], capsys)
+    assert f"--out {out}" in err and "does not exist" in err
+
+
+def test_plan_needs_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage_error(["plan", "--budget-mb", "9"], capsys)
+    assert "--trace" in err
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    assert len(data) > 1000
+
+
+def test_plot_plans_and_draws_from_a_budget(trace_file: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "timeline.png"
+    argv = ["plot", "--trace", str(trace_file), "--budget-mb", "9", "--out", str(out)]
+    assert main(argv) == 0
+    _assert_png(out)
+
+
+def test_plot_draws_a_written_schedule(trace_file: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    plan, out = tmp_path / "plan.json", tmp_path / "timeline.png"
+    assert main(["plan", "--trace", str(trace_file), "--budget-mb", "9", "--out", str(plan)]) == 0
+    assert main(["plot", "--trace", str(trace_file), "--schedule", str(plan),
+                 "--out", str(out)]) == 0
+    _assert_png(out)
+
+
+def test_plot_refuses_a_schedule_of_another_trace(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"post": {"7": [{"storage_id": 1, "kind": "COPY_D2H"}]}}')
+    out = tmp_path / "timeline.png"
+    err = _usage_error(["plot", "--trace", str(trace_file), "--schedule", str(plan),
+                       "--out", str(out)], capsys)
+    assert f"--schedule {plan}: does not fit this trace" in err
+    assert not out.exists()
+
+
+def test_plot_needs_a_schedule_or_a_budget(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _usage_error(["plot", "--trace", str(trace_file), "--out", str(tmp_path / "t.png")],
+                      capsys)
+    assert "--schedule" in err and "--budget-mb" in err
+
+
+def test_plot_draws_a_schedule_against_a_given_budget(trace_file: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    plan, out = tmp_path / "plan.json", tmp_path / "timeline.png"
+    assert main(["plan", "--trace", str(trace_file), "--budget-mb", "9", "--out", str(plan)]) == 0
+    assert main(["plot", "--trace", str(trace_file), "--schedule", str(plan),
+                 "--budget-mb", "9", "--out", str(out)]) == 0
+    _assert_png(out)
+
+
+def test_plot_refuses_a_planner_with_a_schedule(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    err = _usage_error(["plot", "--trace", str(trace_file), "--schedule", str(plan),
+                       "--planner", "timed", "--out", str(tmp_path / "t.png")], capsys)
+    assert "--planner timed" in err and "--budget-mb" in err
+
+
+def test_the_worked_example_of_the_formats_doc_is_what_the_code_writes() -> None:
+    doc = Path(__file__).parents[2] / "docs" / "formats.md"
+    trace_text, schedule_text = re.findall(r"```json\n(.*?)```", doc.read_text(), re.S)[:2]
+    trace = ActivationTrace.from_json(trace_text)
+    schedule = ResidencySchedule.from_json(schedule_text)
+    assert json.loads(trace.to_json()) == json.loads(trace_text)
+    assert json.loads(schedule.to_json()) == json.loads(schedule_text)
+    result = simulate(trace, schedule)  # the figures the doc quotes
+    assert (round(result.compute_ms, 2), round(result.total_ms, 2)) == (0.75, 1.27)
+    assert result.peak_bytes == result.natural_peak_bytes == 8 * MIB
+    assert [c.direction for c in result.copies] == ["D2H", "H2D"]
+
+
+def test_plot_refuses_an_image_name_without_a_known_format(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "timeline.bmpx"
+    err = _usage_error(["plot", "--trace", str(trace_file), "--budget-mb", "9",
+                        "--out", str(out)], capsys)
+    assert f"--out {out}" in err and ".png" in err

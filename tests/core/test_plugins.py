@@ -1,0 +1,282 @@
+"""The plugin system: built-ins are plain plugins, and a test plugin adds an optimizer family."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from collections.abc import MutableMapping, Sequence
+from typing import Any
+
+import pluggy
+import pytest
+import torch
+from torch.optim.sgd import sgd
+
+import swapopt_core
+from swapopt_core import (
+    OptimizerAdapter,
+    SwapOptError,
+    SwapOptimizerConfig,
+    TransferRuntime,
+    hookimpl,
+    hookspecs,
+    new_plugin_manager,
+    swap_optimizer,
+    swap_stats,
+)
+
+
+class SgdMomentumAdapter(OptimizerAdapter):
+    """SGD with momentum: the momentum buffer is created by the first update."""
+
+    family = "torch.optim.SGD (test plugin)"
+    state_key_names = ("momentum_buffer",)
+
+    def matches(self, optimizer: torch.optim.Optimizer) -> bool:
+        return type(optimizer) is torch.optim.SGD
+
+    def state_keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] else ()
+
+    def update(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group: MutableMapping[str, Any],
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        states: Sequence[MutableMapping[str, Any]],
+    ) -> None:
+        buffers = [s.get("momentum_buffer") for s in states]
+        sgd(
+            list(params), list(grads), buffers,
+            weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+            dampening=group["dampening"], nesterov=group["nesterov"],
+            maximize=group["maximize"], foreach=group["foreach"], fused=group["fused"],
+        )
+        if group["momentum"]:
+            for state, buffer in zip(states, buffers, strict=True):
+                state["momentum_buffer"] = buffer
+
+
+class SgdPlugin:
+    @hookimpl
+    def swapopt_register_optimizer_adapters(self) -> list[OptimizerAdapter]:
+        return [SgdMomentumAdapter()]
+
+
+@pytest.fixture
+def plugin_manager() -> pluggy.PluginManager:
+    return new_plugin_manager(load_entrypoints=False)
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 48), torch.nn.Tanh(), torch.nn.Linear(48, 40), torch.nn.Linear(40, 4)
+    )
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(16, 32, generator=gen)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def test_builtins_are_registered_as_plugins(plugin_manager: pluggy.PluginManager) -> None:
+    names = {name for name, _ in plugin_manager.list_name_plugin()}
+    assert {
+        "swapopt_core._torch.plugin",
+        "swapopt_core._planning.plugin",
+        "swapopt_core._mindspore.plugin",
+    } <= names
+    runtimes = [
+        (r.framework, r.name)
+        for batch in plugin_manager.hook.swapopt_register_runtimes()
+        for r in batch
+    ]
+    assert sorted(runtimes) == [
+        ("mindspore", "ascend"), ("mindspore", "loopback"), ("torch", "cuda"), ("torch", "loopback")
+    ]
+
+
+def test_every_hook_is_prefixed_and_documented() -> None:
+    specs = [n for n, _ in inspect.getmembers(hookspecs.SwapOptSpecs) if not n.startswith("_")]
+    assert specs
+    for name in specs:
+        assert name.startswith("swapopt_"), name
+        assert inspect.getdoc(getattr(hookspecs.SwapOptSpecs, name)), name
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("options", [
+    {"momentum": 0.9},
+    {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+    {"momentum": 0.8, "nesterov": True},
+])
+def test_plugin_adds_sgd_momentum_swapped_bit_exactly(
+    plugin_manager: pluggy.PluginManager, packed: bool, options: dict
+) -> None:
+    plugin_manager.register(SgdPlugin())
+    plain_model, swapped_model = _model(), _model()
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.05, **options)
+    swapped = torch.optim.SGD(swapped_model.parameters(), lr=0.05, **options)
+    config = SwapOptimizerConfig(swap_times=2, min_numel=64, runtime="loopback", packed_swap=packed)
+    assert swap_optimizer(swapped, config, plugin_manager=plugin_manager) is swapped
+    _train(plain_model, plain, 10)
+    _train(swapped_model, swapped, 10)
+    for a, b in zip(plain_model.parameters(), swapped_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(plain_model.parameters(), swapped_model.parameters(), strict=True):
+        assert torch.equal(plain.state[a]["momentum_buffer"], swapped.state[b]["momentum_buffer"])
+    stats = swap_stats(swapped)
+    # Weights of the three layers are above min_numel; the biases stay resident.
+    assert stats.swapped_tensors == 3
+    assert stats.resident_state_bytes == 0
+    assert stats.h2d_bytes > 0 and stats.d2h_bytes > 0
+
+
+def test_sgd_without_the_plugin_is_refused_with_the_supported_list(
+    plugin_manager: pluggy.PluginManager,
+) -> None:
+    opt = torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9)
+    pattern = r"torch\.optim\.Adam.*swapopt_register_optimizer_adapters"
+    with pytest.raises(SwapOptError, match=pattern):
+        swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback"), plugin_manager=plugin_manager)
+
+
+class _NamedLoopback(TransferRuntime):
+    name = "loopback"
+
+    def accepts(self, device: torch.device) -> bool:
+        return False
+
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError
+
+    def release_device(self, tensor: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def copy_in(self, pairs: Sequence) -> None:
+        raise NotImplementedError
+
+    def copy_out(self, pairs: Sequence) -> None:
+        raise NotImplementedError
+
+    def wait(self, ticket: object) -> None:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+
+class _DuplicateRuntimePlugin:
+    @hookimpl
+    def swapopt_register_runtimes(self) -> list[type[TransferRuntime]]:
+        return [_NamedLoopback]
+
+
+def test_duplicate_runtime_names_are_refused(plugin_manager: pluggy.PluginManager) -> None:
+    plugin_manager.register(_DuplicateRuntimePlugin())
+    opt = torch.optim.Adam(_model().parameters())
+    with pytest.raises(SwapOptError, match="Two plugins register a torch runtime named 'loopback'"):
+        swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback"), plugin_manager=plugin_manager)
+
+
+class _Observer:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    @hookimpl
+    def swapopt_on_install(self, optimizer: torch.optim.Optimizer, config: Any) -> None:
+        self.events.append(("install", config.swap_times))
+
+    @hookimpl
+    def swapopt_after_step(self, optimizer: torch.optim.Optimizer, stats: Any) -> None:
+        self.events.append(("step", stats.steps))
+
+    @hookimpl
+    def swapopt_on_uninstall(self, optimizer: torch.optim.Optimizer) -> None:
+        self.events.append(("uninstall", 0))
+
+
+def test_observers_see_install_steps_and_uninstall(plugin_manager: pluggy.PluginManager) -> None:
+    observer = _Observer()
+    plugin_manager.register(observer)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    swap_optimizer(opt, SwapOptimizerConfig(swap_times=2, runtime="loopback"),
+                   plugin_manager=plugin_manager)
+    _train(model, opt, 3)
+    swapopt_core.unswap_optimizer(opt)
+    assert observer.events == [("install", 2), ("step", 1), ("step", 2), ("step", 3),
+                               ("uninstall", 0)]
+
+
+def test_unknown_hook_name_is_rejected(plugin_manager: pluggy.PluginManager) -> None:
+    class Typo:
+        @hookimpl
+        def swapopt_register_runtime(self) -> list:  # missing "s"
+            return []
+
+    plugin_manager.register(Typo())
+    with pytest.raises(pluggy.PluginValidationError):
+        plugin_manager.check_pending()
+
+
+class _FakeEntryPoint:
+    name = "sgd-plugin"
+    group = "swapopt"
+    value = "tests.test_plugins:SgdPlugin"
+
+    def load(self) -> object:
+        return SgdPlugin()
+
+
+class _FakeDistribution:
+    entry_points = (_FakeEntryPoint(),)
+    metadata = {"name": "swapopt-sgd"}
+
+
+def test_entry_point_plugins_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SWAPOPT_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_FakeDistribution()])
+    manager = new_plugin_manager()
+    assert manager.get_plugin("sgd-plugin") is not None
+    opt = torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9)
+    swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback"), plugin_manager=manager)
+    assert swapopt_core.is_swap_optimizer(opt)
+
+
+def test_entry_points_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWAPOPT_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_FakeDistribution()])
+    assert new_plugin_manager().get_plugin("sgd-plugin") is None
+
+
+class _BrokenEntryPoint:
+    name = "broken"
+    group = "swapopt"
+    value = "missing_module:plugin"
+
+    def load(self) -> object:
+        raise ImportError("No module named 'missing_module'")
+
+
+class _TwoPluginDistribution:
+    entry_points = (_BrokenEntryPoint(), _FakeEntryPoint())
+    metadata = {"name": "swapopt-mixed"}
+
+
+def test_a_broken_plugin_warns_and_the_others_still_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SWAPOPT_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_TwoPluginDistribution()])
+    with pytest.warns(swapopt_core.SwapOptWarning, match=r"'broken' \(missing_module:plugin\)"):
+        manager = new_plugin_manager()
+    assert manager.get_plugin("broken") is None
+    assert manager.get_plugin("sgd-plugin") is not None

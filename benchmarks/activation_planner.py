@@ -155,21 +155,40 @@ def _points(x: float) -> str:
 
 def table_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     head = [
-        "shape", "ops", "natural peak", "budget", "plain bound", "lower bound",
-        "greedy overhead", "greedy peak/budget", "ours overhead", "ours peak/budget",
-        "greedy - bound (pt)", "ours - bound (pt)", "plan time",
+        "shape",
+        "ops",
+        "natural peak",
+        "budget",
+        "plain bound",
+        "lower bound",
+        "greedy overhead",
+        "greedy peak/budget",
+        "ours overhead",
+        "ours peak/budget",
+        "greedy - bound (pt)",
+        "ours - bound (pt)",
+        "plan time",
     ]
     rows = []
     for r in results:
         g, o, lb = r["greedy"], r["ours"], r["lower_bound"]
-        rows.append([
-            r["shape"], str(r["ops"]), f"{r['natural_peak_bytes'] / 1e9:.1f} GB",
-            f"{r['budget_fraction']:.0%} = {r['budget_bytes'] / 1e9:.1f} GB",
-            f"{r['plain_bound']:.1%}", f"{lb:.1%}",
-            f"{g['overhead']:.1%}", f"{g['peak_over_budget']:.3f}",
-            f"{o['overhead']:.1%}", f"{o['peak_over_budget']:.3f}",
-            _points(g["overhead"] - lb), _points(o["overhead"] - lb), f"{o['plan_s']:.2f} s",
-        ])
+        rows.append(
+            [
+                r["shape"],
+                str(r["ops"]),
+                f"{r['natural_peak_bytes'] / 1e9:.1f} GB",
+                f"{r['budget_fraction']:.0%} = {r['budget_bytes'] / 1e9:.1f} GB",
+                f"{r['plain_bound']:.1%}",
+                f"{lb:.1%}",
+                f"{g['overhead']:.1%}",
+                f"{g['peak_over_budget']:.3f}",
+                f"{o['overhead']:.1%}",
+                f"{o['peak_over_budget']:.3f}",
+                _points(g["overhead"] - lb),
+                _points(o["overhead"] - lb),
+                f"{o['plan_s']:.2f} s",
+            ]
+        )
     return head, rows
 
 
@@ -181,15 +200,25 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                   help="comma-separated shapes from synthetic.SHAPES (default: 1b,8b,70b)")
-    p.add_argument("--budgets", default=",".join(str(b) for b in DEFAULT_BUDGETS),
-                   help="comma-separated budget fractions of the natural peak")
+    p.add_argument(
+        "--shapes",
+        default=",".join(DEFAULT_SHAPES),
+        help="comma-separated shapes from synthetic.SHAPES (default: 1b,8b,70b)",
+    )
+    p.add_argument(
+        "--budgets",
+        default=",".join(str(b) for b in DEFAULT_BUDGETS),
+        help="comma-separated budget fractions of the natural peak",
+    )
     p.add_argument("--json", type=Path, help="write the raw numbers here")
-    p.add_argument("--skip-cpu", action="store_true",
-                   help="skip the CPU step-time measurement of a ~30M GPT inside a session")
-    p.add_argument("--cpu-steps", type=int, default=8,
-                   help="timed steps of the CPU measurement (default 8)")
+    p.add_argument(
+        "--skip-cpu",
+        action="store_true",
+        help="skip the CPU step-time measurement of a ~30M GPT inside a session",
+    )
+    p.add_argument(
+        "--cpu-steps", type=int, default=8, help="timed steps of the CPU measurement (default 8)"
+    )
     p.add_argument("--markdown", type=Path, help="write the table as Markdown here")
     return p.parse_args(argv)
 

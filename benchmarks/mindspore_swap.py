@@ -40,8 +40,9 @@ WIDTH = 1024  # each layer is WIDTH x WIDTH fp32
 def _families() -> dict[str, Callable[[list[Parameter]], nn.Optimizer]]:
     found = {
         "nn.Adam": lambda ps: nn.Adam(ps, learning_rate=1e-3),
-        "nn.AdamWeightDecay": lambda ps: nn.AdamWeightDecay(ps, learning_rate=1e-3,
-                                                            weight_decay=0.01),
+        "nn.AdamWeightDecay": lambda ps: nn.AdamWeightDecay(
+            ps, learning_rate=1e-3, weight_decay=0.01
+        ),
     }
     try:
         from mindformers.core.optim.adamw import AdamW
@@ -53,14 +54,20 @@ def _families() -> dict[str, Callable[[list[Parameter]], nn.Optimizer]]:
 
 def _params(layers: int) -> list[Parameter]:
     rng = np.random.default_rng(0)
-    return [Parameter(Tensor(rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) * 0.02),
-                      name=f"layer{i}.weight") for i in range(layers)]
+    return [
+        Parameter(
+            Tensor(rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) * 0.02),
+            name=f"layer{i}.weight",
+        )
+        for i in range(layers)
+    ]
 
 
 def _grads(layers: int) -> tuple[Tensor, ...]:
     rng = np.random.default_rng(1)
-    return tuple(Tensor(rng.standard_normal((WIDTH, WIDTH), dtype=np.float32))
-                 for _ in range(layers))
+    return tuple(
+        Tensor(rng.standard_normal((WIDTH, WIDTH), dtype=np.float32)) for _ in range(layers)
+    )
 
 
 def _timed(opt: nn.Optimizer, grads: tuple[Tensor, ...]) -> float:
@@ -72,32 +79,41 @@ def _timed(opt: nn.Optimizer, grads: tuple[Tensor, ...]) -> float:
 
 def measure(make: Callable, layers: int, steps: int, swap_times: int) -> dict[str, float]:
     grads = _grads(layers)
-    runs = {"plain": make(_params(layers)), "packed": make(_params(layers)),
-            "per-tensor": make(_params(layers))}
+    runs = {
+        "plain": make(_params(layers)),
+        "packed": make(_params(layers)),
+        "per-tensor": make(_params(layers)),
+    }
     for name, packed in (("packed", True), ("per-tensor", False)):
-        swap_optimizer(runs[name], SwapOptimizerConfig(
-            runtime="loopback", swap_times=swap_times, packed_swap=packed))
+        swap_optimizer(
+            runs[name],
+            SwapOptimizerConfig(runtime="loopback", swap_times=swap_times, packed_swap=packed),
+        )
     times: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)
     for step in range(steps + 1):
-        for name in order[step % 3:] + order[:step % 3]:
+        for name in order[step % 3 :] + order[: step % 3]:
             elapsed = _timed(runs[name], grads)
             if step:  # the first step builds kernels and lazy state
                 times[name].append(elapsed)
     plain = statistics.median(times["plain"])
     reference = [p.asnumpy() for p in runs["plain"]._parameters]
     result = {name: statistics.median(times[name]) / plain for name in ("packed", "per-tensor")}
-    result["exact"] = float(all(
-        np.array_equal(a, b.asnumpy())
-        for name in ("packed", "per-tensor")
-        for a, b in zip(reference, runs[name]._parameters, strict=True)))
+    result["exact"] = float(
+        all(
+            np.array_equal(a, b.asnumpy())
+            for name in ("packed", "per-tensor")
+            for a, b in zip(reference, runs[name]._parameters, strict=True)
+        )
+    )
     return result
 
 
 def peak_share(make: Callable, layers: int, swap_times: int, packed: bool) -> float:
     opt = make(_params(layers))
-    swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback", swap_times=swap_times,
-                                            packed_swap=packed))
+    swap_optimizer(
+        opt, SwapOptimizerConfig(runtime="loopback", swap_times=swap_times, packed_swap=packed)
+    )
     opt(_grads(layers))
     stats = swap_stats(opt)
     return stats.peak_resident_state_bytes / stats.total_state_bytes
@@ -112,16 +128,23 @@ def main() -> None:
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
     console = Console()
-    table = Table(title=f"MindSpore swap on CPU (loopback), swap_times={args.swap_times}: "
-                        "step time / plain step time")
+    table = Table(
+        title=f"MindSpore swap on CPU (loopback), swap_times={args.swap_times}: "
+        "step time / plain step time"
+    )
     for column in ("optimizer", "params", "packed", "per-tensor", "bit-exact"):
         table.add_column(column)
     for family, make in _families().items():
         for size in args.sizes.split(","):
             layers = max(1, round(float(size.rstrip("M")) * 1e6 / WIDTH**2))
             result = measure(make, layers, args.steps, args.swap_times)
-            table.add_row(family, f"{layers * WIDTH**2 / 1e6:.1f}M", f"{result['packed']:.2f}",
-                          f"{result['per-tensor']:.2f}", "yes" if result["exact"] else "NO")
+            table.add_row(
+                family,
+                f"{layers * WIDTH**2 / 1e6:.1f}M",
+                f"{result['packed']:.2f}",
+                f"{result['per-tensor']:.2f}",
+                "yes" if result["exact"] else "NO",
+            )
     console.print(table)
     sweep = Table(title="Peak device-resident state / total state (16 equal layers)")
     sweep.add_column("mode")

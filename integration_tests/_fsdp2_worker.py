@@ -100,8 +100,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
 # ---- checks ------------------------------------------------------------------------------
 
 
-def assert_same(model_a: nn.Module, opt_a: torch.optim.Optimizer,
-                model_b: nn.Module, opt_b: torch.optim.Optimizer, what: str) -> int:
+def assert_same(
+    model_a: nn.Module,
+    opt_a: torch.optim.Optimizer,
+    model_b: nn.Module,
+    opt_b: torch.optim.Optimizer,
+    what: str,
+) -> int:
     """Local shards of params and of every state entry equal bit for bit; returns #entries."""
     names = [n for n, _ in model_a.named_parameters()]
     params_a = list(model_a.parameters())
@@ -137,8 +142,9 @@ def assert_same(model_a: nn.Module, opt_a: torch.optim.Optimizer,
     return compared
 
 
-def assert_swapped_layout(model: nn.Module, opt: torch.optim.Optimizer, *, packed: bool,
-                          steps: int, what: str) -> dict:
+def assert_swapped_layout(
+    model: nn.Module, opt: torch.optim.Optimizer, *, packed: bool, steps: int, what: str
+) -> dict:
     """Swapped entries are DTensors over CPU host tensors; nothing resident between steps."""
     assert is_swap_optimizer(opt), f"{what}: swap not installed"
     stats = swap_stats(opt)
@@ -193,8 +199,12 @@ def assert_swapped_layout(model: nn.Module, opt: torch.optim.Optimizer, *, packe
             f"{what}: per-tensor entries share storage ({len(storages)} for {expected})"
         )
     assert stats.h2d_bytes > 0 and stats.d2h_bytes > 0, f"{what}: no traffic: {stats}"
-    return {"swapped_tensors": expected, "state_bytes": nbytes,
-            "peak_resident": stats.peak_resident_state_bytes, "batches": stats.batches}
+    return {
+        "swapped_tensors": expected,
+        "state_bytes": nbytes,
+        "peak_resident": stats.peak_resident_state_bytes,
+        "batches": stats.batches,
+    }
 
 
 # ---- cases -------------------------------------------------------------------------------
@@ -215,8 +225,9 @@ def adam_amsgrad(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def config(packed: bool) -> SwapOptimizerConfig:
-    return SwapOptimizerConfig(runtime="loopback", packed_swap=packed,
-                               swap_times=SWAP_TIMES, min_numel=MIN_NUMEL)
+    return SwapOptimizerConfig(
+        runtime="loopback", packed_swap=packed, swap_times=SWAP_TIMES, min_numel=MIN_NUMEL
+    )
 
 
 def case_equivalence(mesh: DeviceMesh, rank: int, make: OptFactory, packed: bool) -> dict:
@@ -230,8 +241,9 @@ def case_equivalence(mesh: DeviceMesh, rank: int, make: OptFactory, packed: bool
     train(model, opt, rank, range(STEPS))
 
     info = assert_swapped_layout(model, opt, packed=packed, steps=STEPS, what="swapped run")
-    info["compared_state_entries"] = assert_same(plain_model, plain_opt, model, opt,
-                                                 "swapped vs plain FSDP2")
+    info["compared_state_entries"] = assert_same(
+        plain_model, plain_opt, model, opt, "swapped vs plain FSDP2"
+    )
     return info
 
 
@@ -247,8 +259,9 @@ def case_install_midway(mesh: DeviceMesh, rank: int, make: OptFactory, packed: b
             assert swap_optimizer(opt, config(packed)) is opt
             assert swap_stats(opt).resident_state_bytes == 0, "resident right after install"
         if first == remove_at:
-            info = assert_swapped_layout(model, opt, packed=packed, steps=remove_at - install_at,
-                                         what="installed mid-run")
+            info = assert_swapped_layout(
+                model, opt, packed=packed, steps=remove_at - install_at, what="installed mid-run"
+            )
             unswap_optimizer(opt)
             assert not is_swap_optimizer(opt)
             for p in model.parameters():
@@ -260,9 +273,13 @@ def case_install_midway(mesh: DeviceMesh, rank: int, make: OptFactory, packed: b
                         assert value.placements == p.placements and value.shape == p.shape
         train(plain_model, plain_opt, rank, range(first, last))
         train(model, opt, rank, range(first, last))
-        assert_same(plain_model, plain_opt, model, opt,
-                    f"swap installed at step {install_at}, removed at {remove_at}: after step "
-                    f"{last - 1}")
+        assert_same(
+            plain_model,
+            plain_opt,
+            model,
+            opt,
+            f"swap installed at step {install_at}, removed at {remove_at}: after step {last - 1}",
+        )
     info["compared_state_entries"] = assert_same(plain_model, plain_opt, model, opt, "end")
     return info
 
@@ -293,8 +310,14 @@ class Checkpoint:
 
 def clone_tree(obj: object) -> object:
     if isinstance(obj, DTensor):
-        return DTensor.from_local(obj.to_local().clone(), obj.device_mesh, obj.placements,
-                                  run_check=False, shape=obj.shape, stride=obj.stride())
+        return DTensor.from_local(
+            obj.to_local().clone(),
+            obj.device_mesh,
+            obj.placements,
+            run_check=False,
+            shape=obj.shape,
+            stride=obj.stride(),
+        )
     if isinstance(obj, torch.Tensor):
         return obj.clone()
     if isinstance(obj, dict):
@@ -343,8 +366,9 @@ def case_resume(mesh: DeviceMesh, rank: int, make: OptFactory, packed: bool, via
                 assert isinstance(value, DTensor), f"loaded {key} is {type(value).__name__}"
                 assert value.to_local().device.type == "cpu", f"loaded {key} not on host"
     train(model, opt, rank, range(RESUME_AT, STEPS))
-    info = assert_swapped_layout(model, opt, packed=packed, steps=STEPS - RESUME_AT,
-                                 what="resumed swapped run")
+    info = assert_swapped_layout(
+        model, opt, packed=packed, steps=STEPS - RESUME_AT, what="resumed swapped run"
+    )
     n = assert_same(full_model, full_opt, model, opt, "resumed vs uninterrupted swapped")
     assert_same(plain_model, plain_opt, model, opt, "resumed swapped vs plain FSDP2")
 
@@ -354,8 +378,13 @@ def case_resume(mesh: DeviceMesh, rank: int, make: OptFactory, packed: bool, via
     plain_resumed_opt = make(plain_resumed)
     plain_resumed_opt.load_state_dict(saved_opt.get())
     train(plain_resumed, plain_resumed_opt, rank, range(RESUME_AT, STEPS))
-    assert_same(plain_model, plain_opt, plain_resumed, plain_resumed_opt,
-                "plain optimizer resumed from swapped checkpoint vs plain FSDP2")
+    assert_same(
+        plain_model,
+        plain_opt,
+        plain_resumed,
+        plain_resumed_opt,
+        "plain optimizer resumed from swapped checkpoint vs plain FSDP2",
+    )
     info["compared_state_entries"] = n
     info["swapped_entries_in_checkpoint"] = swapped_entries
     return info
@@ -367,15 +396,20 @@ CASES: list[tuple[str, Callable[[DeviceMesh, int], dict]]] = [
     ("adamw_foreach-packed", lambda m, r: case_equivalence(m, r, adamw_foreach, True)),
     ("adam_amsgrad-packed", lambda m, r: case_equivalence(m, r, adam_amsgrad, True)),
     ("adam_amsgrad-per_tensor", lambda m, r: case_equivalence(m, r, adam_amsgrad, False)),
-    ("install_midway-adamw-packed",
-     lambda m, r: case_install_midway(m, r, adamw, True)),
-    ("install_midway-adam_amsgrad-per_tensor",
-     lambda m, r: case_install_midway(m, r, adam_amsgrad, False)),
+    ("install_midway-adamw-packed", lambda m, r: case_install_midway(m, r, adamw, True)),
+    (
+        "install_midway-adam_amsgrad-per_tensor",
+        lambda m, r: case_install_midway(m, r, adam_amsgrad, False),
+    ),
     ("resume-adamw-packed", lambda m, r: case_resume(m, r, adamw, True, "clone")),
-    ("resume-adam_amsgrad-per_tensor",
-     lambda m, r: case_resume(m, r, adam_amsgrad, False, "clone")),
-    ("torch_save-resume-adamw-per_tensor",
-     lambda m, r: case_resume(m, r, adamw, False, "torch.save")),
+    (
+        "resume-adam_amsgrad-per_tensor",
+        lambda m, r: case_resume(m, r, adam_amsgrad, False, "clone"),
+    ),
+    (
+        "torch_save-resume-adamw-per_tensor",
+        lambda m, r: case_resume(m, r, adamw, False, "torch.save"),
+    ),
     ("torch_save-resume-adamw-packed", lambda m, r: case_resume(m, r, adamw, True, "torch.save")),
 ]
 
@@ -385,8 +419,7 @@ def main(out_dir: str) -> int:
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     result_file = Path(out_dir) / f"rank{rank}.json"
-    results: dict = {"rank": rank, "world_size": world, "torch": torch.__version__,
-                     "cases": {}}
+    results: dict = {"rank": rank, "world_size": world, "torch": torch.__version__, "cases": {}}
 
     def flush() -> None:
         tmp = result_file.with_suffix(".tmp")
@@ -406,7 +439,8 @@ def main(out_dir: str) -> int:
                 results["cases"][name] = {"ok": True, "info": info}
             except Exception as exc:  # reported to the test, which fails with the message
                 results["cases"][name] = {
-                    "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                    "ok": False,
+                    "error": f"{type(exc).__name__}: {exc}",
                     "traceback": traceback.format_exc(),
                 }
             results["cases"][name]["seconds"] = round(time.perf_counter() - t0, 3)

@@ -87,16 +87,28 @@ class TwoOptimizerNet(Net):
 def trainer(root: Path | str, callbacks: list | None = None, **kwargs: Any) -> pl.Trainer:
     """A quiet CPU trainer; ``kwargs`` override the defaults."""
     options: dict[str, Any] = {
-        "accelerator": "cpu", "devices": 1, "max_steps": 6, "limit_val_batches": 0,
-        "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
-        "enable_checkpointing": False, "default_root_dir": str(root), "deterministic": True,
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 6,
+        "limit_val_batches": 0,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "default_root_dir": str(root),
+        "deterministic": True,
     }
     options.update(kwargs)
     return pl.Trainer(callbacks=callbacks or [], **options)
 
 
-def fit(root: Path | str, callbacks: list | None = None, make: Callable[[], Any] = Net,
-        ckpt_path: str | None = None, **kwargs: Any) -> pl.LightningModule:
+def fit(
+    root: Path | str,
+    callbacks: list | None = None,
+    make: Callable[[], Any] = Net,
+    ckpt_path: str | None = None,
+    **kwargs: Any,
+) -> pl.LightningModule:
     """Seeded ``Trainer.fit`` of a module built by ``make``; returns the trained module."""
     pl.seed_everything(0, verbose=False)
     model = make()

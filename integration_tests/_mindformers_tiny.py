@@ -57,8 +57,14 @@ class TinyLM(nn.Cell):
         """Read by MindFormers' LossCallback for its throughput estimate."""
         from mindformers.parallel_core.transformer_config import TransformerConfig
 
-        return TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2,
-                                 ffn_hidden_size=2 * HIDDEN, seq_length=SEQ, vocab_size=VOCAB)
+        return TransformerConfig(
+            num_layers=1,
+            hidden_size=HIDDEN,
+            num_attention_heads=2,
+            ffn_hidden_size=2 * HIDDEN,
+            seq_length=SEQ,
+            vocab_size=VOCAB,
+        )
 
 
 def write_dataset(path: Path, rows: int = 64) -> Path:
@@ -67,11 +73,15 @@ def write_dataset(path: Path, rows: int = 64) -> Path:
     schema = {"type": "int32", "shape": [SEQ]}
     writer.add_schema({"input_ids": schema, "labels": schema}, "swapopt_tiny")
     rng = np.random.default_rng(0)
-    writer.write_raw_data([
-        {"input_ids": rng.integers(0, VOCAB, SEQ).astype(np.int32),
-         "labels": rng.integers(0, VOCAB, SEQ).astype(np.int32)}
-        for _ in range(rows)
-    ])
+    writer.write_raw_data(
+        [
+            {
+                "input_ids": rng.integers(0, VOCAB, SEQ).astype(np.int32),
+                "labels": rng.integers(0, VOCAB, SEQ).astype(np.int32),
+            }
+            for _ in range(rows)
+        ]
+    )
     writer.commit()
     return path
 
@@ -80,8 +90,11 @@ def train_config(data: Path, save_path: Path, steps: int, save_every: int) -> di
     """A pynative ``TrainConfig`` dict for ``TinyLM`` on CPU that saves checkpoints."""
     return {
         "training": {"steps": steps, "local_batch_size": 4, "global_batch_size": 4, "seed": 1},
-        "checkpoint": {"enable_save": True, "save_path": str(save_path),
-                       "save_interleaved_steps": save_every},
+        "checkpoint": {
+            "enable_save": True,
+            "save_path": str(save_path),
+            "save_interleaved_steps": save_every,
+        },
         "model": {"model_type": "swapopt_tiny", "architectures": "TinyLM"},
         "optimizer": {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01},
         "lr_scheduler": {"type": "ConstantWarmUpLR", "learning_rate": 1e-3, "warmup_steps": 0},

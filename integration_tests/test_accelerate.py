@@ -61,15 +61,23 @@ def _objects(seed: int = 0):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     gen = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(4 * BATCHES, 8, generator=gen),
-                                          torch.randn(4 * BATCHES, 4, generator=gen))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(4 * BATCHES, 8, generator=gen), torch.randn(4 * BATCHES, 4, generator=gen)
+    )
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     return model, optimizer, loader, scheduler
 
 
-def _train(accelerator: Accelerator, *, function_form: SwapOptimizerPlugin | None = None,
-           clip: float | None = None, start: int = 0, stop: int = BATCHES,
-           checkpoint: Path | None = None, session: bool = False):
+def _train(
+    accelerator: Accelerator,
+    *,
+    function_form: SwapOptimizerPlugin | None = None,
+    clip: float | None = None,
+    start: int = 0,
+    stop: int = BATCHES,
+    checkpoint: Path | None = None,
+    session: bool = False,
+):
     """Prepare fresh objects, optionally load ``checkpoint``, train batches [start, stop)."""
     objects = _objects()
     if function_form is not None:
@@ -159,8 +167,7 @@ def _train_with_scaler(accelerator: Accelerator):
 def test_grad_scaler_path_with_skipped_steps() -> None:
     plain_model, _, plain_skipped = _train_with_scaler(Accelerator(cpu=True))
     _reset()
-    model, optimizer, skipped = _train_with_scaler(
-        SwapAccelerator(cpu=True, swap_plugin=_plugin()))
+    model, optimizer, skipped = _train_with_scaler(SwapAccelerator(cpu=True, swap_plugin=_plugin()))
     assert skipped == plain_skipped > 0
     _assert_equal(_params(model), _params(plain_model))
     assert swap_stats(optimizer.optimizer).steps == BATCHES - skipped
@@ -206,8 +213,9 @@ def test_resume_equals_plain_resume(tmp_path: Path) -> None:
     assert swap_stats(objects[1].optimizer).resident_state_bytes == 0  # offloaded again
     accelerator.free_memory()
     _reset()
-    resumed, _ = _train(SwapAccelerator(cpu=True, swap_plugin=_plugin()), start=half,
-                        checkpoint=ckpt)
+    resumed, _ = _train(
+        SwapAccelerator(cpu=True, swap_plugin=_plugin()), start=half, checkpoint=ckpt
+    )
     _reset()
     plain_resumed, _ = _train(Accelerator(cpu=True), start=half, checkpoint=ckpt)
     _reset()
@@ -244,13 +252,22 @@ def test_free_memory_unswaps_and_drops() -> None:
 
 
 def test_env_flag_switches_it_on() -> None:
-    with patch_environment(SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE="cpu", SWAPOPT_RUNTIME="loopback",
-                           SWAPOPT_MIN_NUMEL="0", SWAPOPT_SWAP_TIMES="2",
-                           SWAPOPT_PACKED_SWAP="false"):
+    with patch_environment(
+        SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE="cpu",
+        SWAPOPT_RUNTIME="loopback",
+        SWAPOPT_MIN_NUMEL="0",
+        SWAPOPT_SWAP_TIMES="2",
+        SWAPOPT_PACKED_SWAP="false",
+    ):
         accelerator = SwapAccelerator(cpu=True)
         assert accelerator.swap_plugin == SwapOptimizerPlugin(
-            offload_optimizer_device="cpu", swap_times=2, min_numel=0, packed_swap=False,
-            runtime="loopback", activation_budget_mb="none")
+            offload_optimizer_device="cpu",
+            swap_times=2,
+            min_numel=0,
+            packed_swap=False,
+            runtime="loopback",
+            activation_budget_mb="none",
+        )
         _, optimizer = _train(accelerator, stop=2)
     stats = swap_stats(optimizer.optimizer)
     assert stats.steps == 2 and stats.batches == 2 and not stats.packed
@@ -266,18 +283,21 @@ def test_fields_override_env() -> None:
     assert plugin.swap_config().swap_times == 7 and plugin.offload_config() is None
 
 
-@pytest.mark.parametrize(("variable", "value", "accepted"), [
-    ("SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE", "gpu", "'none' or 'cpu'"),
-    ("SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE", "nvme", "'none' or 'cpu'"),
-    ("SWAPOPT_SWAP_TIMES", "0", "an integer >= 1"),
-    ("SWAPOPT_SWAP_TIMES", "eight", "an integer >= 1"),
-    ("SWAPOPT_MIN_NUMEL", "-1", "an integer >= 0"),
-    ("SWAPOPT_MIN_NUMEL", "1.5", "an integer >= 0"),
-    ("SWAPOPT_PACKED_SWAP", "maybe", "'auto'"),
-    ("SWAPOPT_RUNTIME", "tpu", "'loopback'"),
-    ("SWAPOPT_ACTIVATION_BUDGET_MB", "lots", "MiB >= 0"),
-    ("SWAPOPT_ACTIVATION_BUDGET_MB", "-5", "MiB >= 0"),
-])
+@pytest.mark.parametrize(
+    ("variable", "value", "accepted"),
+    [
+        ("SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE", "gpu", "'none' or 'cpu'"),
+        ("SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE", "nvme", "'none' or 'cpu'"),
+        ("SWAPOPT_SWAP_TIMES", "0", "an integer >= 1"),
+        ("SWAPOPT_SWAP_TIMES", "eight", "an integer >= 1"),
+        ("SWAPOPT_MIN_NUMEL", "-1", "an integer >= 0"),
+        ("SWAPOPT_MIN_NUMEL", "1.5", "an integer >= 0"),
+        ("SWAPOPT_PACKED_SWAP", "maybe", "'auto'"),
+        ("SWAPOPT_RUNTIME", "tpu", "'loopback'"),
+        ("SWAPOPT_ACTIVATION_BUDGET_MB", "lots", "MiB >= 0"),
+        ("SWAPOPT_ACTIVATION_BUDGET_MB", "-5", "MiB >= 0"),
+    ],
+)
 def test_invalid_env_value_is_named(variable: str, value: str, accepted: str) -> None:
     with patch_environment(**{variable: value}), pytest.raises(ValueError) as error:
         SwapAccelerator(cpu=True)
@@ -285,10 +305,18 @@ def test_invalid_env_value_is_named(variable: str, value: str, accepted: str) ->
     assert f"environment variable {variable}={value!r}" in message and accepted in message
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("offload_optimizer_device", "disk"), ("swap_times", 0), ("swap_times", True),
-    ("min_numel", -3), ("packed_swap", 2), ("runtime", "gpu"), ("activation_budget_mb", -1.0),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("offload_optimizer_device", "disk"),
+        ("swap_times", 0),
+        ("swap_times", True),
+        ("min_numel", -3),
+        ("packed_swap", 2),
+        ("runtime", "gpu"),
+        ("activation_budget_mb", -1.0),
+    ],
+)
 def test_invalid_field_is_named(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=re.escape(f"SwapOptimizerPlugin.{field}={value!r}")):
         SwapOptimizerPlugin(**{field: value})
@@ -340,18 +368,46 @@ def test_two_process_launch(tmp_path: Path) -> None:
         out = tmp_path / device
         out.mkdir()
         env = {k: v for k, v in os.environ.items() if not k.startswith("SWAPOPT_")}
-        env.update(SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=device, SWAPOPT_RUNTIME="loopback",
-                   SWAPOPT_MIN_NUMEL="0", SWAPOPT_SWAP_TIMES="2", ACCELERATE_USE_CPU="true",
-                   OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+        env.update(
+            SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=device,
+            SWAPOPT_RUNTIME="loopback",
+            SWAPOPT_MIN_NUMEL="0",
+            SWAPOPT_SWAP_TIMES="2",
+            ACCELERATE_USE_CPU="true",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        )
         # Accelerate 1.x: "--cpu --num_processes 2" starts one process unless an MPI hostfile
         # is given; the torchrun launcher ("--multi_gpu") with ACCELERATE_USE_CPU gives two
         # gloo ranks on the CPU (distributed type MULTI_CPU).
-        command = [str(launcher), "launch", "--multi_gpu", "--num_processes", "2",
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                   "--main_process_port", str(_free_port()), str(SCRIPT), str(out)]
-        runs[device] = (out, subprocess.Popen(command, cwd=REPO, env=env, text=True,
-                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        command = [
+            str(launcher),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(_free_port()),
+            str(SCRIPT),
+            str(out),
+        ]
+        runs[device] = (
+            out,
+            subprocess.Popen(
+                command,
+                cwd=REPO,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            ),
+        )
     results = {}
     for device, (out, proc) in runs.items():
         log, _ = proc.communicate(timeout=120)

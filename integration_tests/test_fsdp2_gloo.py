@@ -26,8 +26,9 @@ if not dist.is_available() or not dist.is_gloo_available():
 try:
     from torch.distributed.fsdp import fully_shard  # noqa: F401
 except ImportError:  # pragma: no cover - torch without FSDP2
-    pytest.skip("torch.distributed.fsdp.fully_shard (FSDP2) is not available",
-                allow_module_level=True)
+    pytest.skip(
+        "torch.distributed.fsdp.fully_shard (FSDP2) is not available", allow_module_level=True
+    )
 
 WORKER = Path(__file__).with_name("_fsdp2_worker.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -49,17 +50,26 @@ def _launch(out_dir: Path) -> list[subprocess.CompletedProcess | str]:
     for rank in range(WORLD_SIZE):
         env = dict(os.environ)
         env.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-            LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_WORLD_SIZE=str(WORLD_SIZE),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(WORLD_SIZE),
+            LOCAL_WORLD_SIZE=str(WORLD_SIZE),
             OMP_NUM_THREADS="1",
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
         )
         log = open(out_dir / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
         logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), str(out_dir)], cwd=REPO, env=env,
-            stdout=log, stderr=subprocess.STDOUT,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(out_dir)],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     codes: list[int | str] = []
     try:
         for proc in procs:

@@ -98,8 +98,9 @@ class SkipOddSteps(M.Net):
 def test_fit_equals_plain(tmp_path, make, options) -> None:
     plain = M.fit(tmp_path / "plain", make=make, **options)
     probe = Probe()
-    swapped = M.fit(tmp_path / "swap", [SwapOptimizerCallback(M.LOOPBACK), probe], make=make,
-                    **options)
+    swapped = M.fit(
+        tmp_path / "swap", [SwapOptimizerCallback(M.LOOPBACK), probe], make=make, **options
+    )
     assert probe.swapped and all(probe.swapped)
     assert_same(plain, swapped)
     # Removed at teardown: the optimizers are plain again, state equal to the plain run's.
@@ -112,8 +113,12 @@ def test_fit_equals_plain(tmp_path, make, options) -> None:
 def test_per_tensor_mode_and_lr_monitor(tmp_path) -> None:
     def run(name: str, callbacks: list) -> tuple[pl.LightningModule, dict]:
         monitor = LearningRateMonitor(logging_interval="step")
-        model = M.fit(tmp_path / name, [*callbacks, monitor],
-                      logger=CSVLogger(tmp_path / name), log_every_n_steps=1)
+        model = M.fit(
+            tmp_path / name,
+            [*callbacks, monitor],
+            logger=CSVLogger(tmp_path / name),
+            log_every_n_steps=1,
+        )
         return model, monitor.lrs
 
     plain, lrs_plain = run("plain", [])
@@ -171,8 +176,12 @@ def test_exception_unswaps_and_leaves_the_session(tmp_path) -> None:
 
 def test_resume_equals_plain_resume(tmp_path, monkeypatch) -> None:
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
-    M.fit(tmp_path / "first", [SwapOptimizerCallback(M.LOOPBACK), ckpt], max_steps=4,
-          enable_checkpointing=True)
+    M.fit(
+        tmp_path / "first",
+        [SwapOptimizerCallback(M.LOOPBACK), ckpt],
+        max_steps=4,
+        enable_checkpointing=True,
+    )
     last = str(tmp_path / "ckpt" / "last.ckpt")
 
     # Standard format, CPU tensors, plain data only: loads without swapopt.
@@ -254,10 +263,12 @@ def test_auto_registration(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SWAPOPT_PACKED_SWAP", "no")
     monkeypatch.setenv("SWAPOPT_ACTIVATION_BUDGET_MB", "0.5")
     (cb,) = _auto(M.trainer(tmp_path))
-    assert cb.config == SwapOptimizerConfig(swap_times=3, min_numel=16, packed_swap=False,
-                                            runtime="loopback")
-    assert cb.activation_offload == OffloadConfig(max_resident_activation_mb=0.5,
-                                                  runtime="loopback")
+    assert cb.config == SwapOptimizerConfig(
+        swap_times=3, min_numel=16, packed_swap=False, runtime="loopback"
+    )
+    assert cb.activation_offload == OffloadConfig(
+        max_resident_activation_mb=0.5, runtime="loopback"
+    )
     # It trains, and equals a plain run.
     plain = M.fit(tmp_path / "plain", [], make=NoLogNet)
     monkeypatch.setenv("SWAPOPT_LIGHTNING_AUTO", "1")
@@ -314,12 +325,27 @@ def _free_port() -> int:
 def test_ddp_two_processes(tmp_path) -> None:
     port, procs = _free_port(), []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(REPO), str(Path(__file__).parent)]))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(Path(M.__file__)), str(tmp_path)], env=env, cwd=tmp_path,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            WORLD_SIZE="2",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(Path(M.__file__)), str(tmp_path)],
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     logs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
     plain, swap = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "swap.pt")

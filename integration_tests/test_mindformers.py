@@ -52,8 +52,13 @@ pytestmark = pytest.mark.mindspore
 
 REPO = Path(__file__).resolve().parents[1]
 SWAP = {"enable": True, "swap_times": 2, "runtime": "loopback", "min_numel": 0}
-CALLBACK = {"type": "SwapOptimizerCallback", "swap_times": 3, "runtime": "loopback",
-            "min_numel": 0, "packed_swap": False}
+CALLBACK = {
+    "type": "SwapOptimizerCallback",
+    "swap_times": 3,
+    "runtime": "loopback",
+    "min_numel": 0,
+    "packed_swap": False,
+}
 STEPS, SAVE_EVERY = 12, 6
 STATS_LINE = re.compile(r"swapopt stats at train end: (\{.*\})")
 
@@ -70,18 +75,21 @@ def _pynative_cpu() -> None:
 def test_registered_and_built_from_cfg() -> None:
     assert MindFormerRegister.get_cls("callback", "SwapOptimizerCallback") is SwapOptimizerCallback
     built = MindFormerRegister.get_instance_from_cfg(
-        {"type": "SwapOptimizerCallback", "swap_times": 8}, MindFormerModuleType.CALLBACK)
+        {"type": "SwapOptimizerCallback", "swap_times": 8}, MindFormerModuleType.CALLBACK
+    )
     assert isinstance(built, SwapOptimizerCallback)
     assert built.config == SwapOptimizerConfig(swap_times=8)
 
 
 def test_entry_survives_trainconfig(tmp_path) -> None:
     """The callbacks entry the launcher appends builds the same config inside MindFormers."""
-    section = SwapOptimizerSection(swap_times=3, state_keys=("exp_avg",), min_numel=0,
-                                   packed_swap=False, runtime="loopback")
+    section = SwapOptimizerSection(
+        swap_times=3, state_keys=("exp_avg",), min_numel=0, packed_swap=False, runtime="loopback"
+    )
     yaml_config = T.train_config(tmp_path / "d", tmp_path / "c", steps=2, save_every=1)
     config = TrainConfig.from_dict(
-        build_trainer_config({**yaml_config, "swap_optimizer": section.to_yaml()}))
+        build_trainer_config({**yaml_config, "swap_optimizer": section.to_yaml()})
+    )
     (entry,) = config.callbacks
     assert _build_callback(entry).config == section.to_config()
 
@@ -109,8 +117,9 @@ def test_callback_rejects_bad_value(key, value, accepted) -> None:
     assert accepted in str(info.value)
     # The same message reaches a YAML user through MindFormers' registry.
     with pytest.raises(ValueError, match=re.escape(f"{key}={value!r}")):
-        MindFormerRegister.get_instance_from_cfg({"type": "SwapOptimizerCallback", key: value},
-                                                 MindFormerModuleType.CALLBACK)
+        MindFormerRegister.get_instance_from_cfg(
+            {"type": "SwapOptimizerCallback", key: value}, MindFormerModuleType.CALLBACK
+        )
 
 
 def test_callback_rejects_unknown_key() -> None:
@@ -125,25 +134,39 @@ def test_section_round_trip(tmp_path) -> None:
     sections = [
         SwapOptimizerSection(),
         SwapOptimizerSection(enable=False),
-        SwapOptimizerSection(swap_times=4, state_keys=("exp_avg_sq", "exp_avg"), min_numel=0,
-                             include_master_params=True, packed_swap=False, runtime="loopback"),
+        SwapOptimizerSection(
+            swap_times=4,
+            state_keys=("exp_avg_sq", "exp_avg"),
+            min_numel=0,
+            include_master_params=True,
+            packed_swap=False,
+            runtime="loopback",
+        ),
     ]
     for section in sections:
         assert SwapOptimizerSection.from_yaml(section.to_yaml()) == section
         path = tmp_path / "train.yaml"
         path.write_text(yaml.safe_dump({"swap_optimizer": section.to_yaml()}))
-        assert SwapOptimizerSection.from_yaml(yaml.safe_load(path.read_text())["swap_optimizer"]) \
+        assert (
+            SwapOptimizerSection.from_yaml(yaml.safe_load(path.read_text())["swap_optimizer"])
             == section
+        )
     assert sections[2].to_config() == SwapOptimizerConfig(
-        swap_times=4, state_keys=("exp_avg_sq", "exp_avg"), min_numel=0,
-        include_master_params=True, packed_swap=False, runtime="loopback")
+        swap_times=4,
+        state_keys=("exp_avg_sq", "exp_avg"),
+        min_numel=0,
+        include_master_params=True,
+        packed_swap=False,
+        runtime="loopback",
+    )
     assert SwapOptimizerSection.from_yaml({"packed_swap": "auto"}).packed_swap is None
     assert SwapOptimizerSection.from_yaml({"state_keys": "exp_avg"}).state_keys == ("exp_avg",)
     assert SwapOptimizerSection().to_config() == SwapOptimizerConfig()
 
 
-@pytest.mark.parametrize(("key", "value", "accepted"),
-                         [*BAD_OPTIONS, ("enable", "yes", "true or false")])
+@pytest.mark.parametrize(
+    ("key", "value", "accepted"), [*BAD_OPTIONS, ("enable", "yes", "true or false")]
+)
 def test_section_rejects_bad_value(key, value, accepted) -> None:
     with pytest.raises(ValueError) as info:
         build_trainer_config({"swap_optimizer": {key: value}})
@@ -152,8 +175,11 @@ def test_section_rejects_bad_value(key, value, accepted) -> None:
 
 
 def test_section_rejects_unknown_key_and_non_mapping() -> None:
-    with pytest.raises(ValueError, match=r"swap_optimizer has no key 'swap_time'; accepted keys: "
-                                         r"\['enable', 'swap_times'"):
+    with pytest.raises(
+        ValueError,
+        match=r"swap_optimizer has no key 'swap_time'; accepted keys: "
+        r"\['enable', 'swap_times'",
+    ):
         build_trainer_config({"swap_optimizer": {"enable": True, "swap_time": 8}})
     with pytest.raises(ValueError, match="swap_optimizer must be a mapping of settings, got None"):
         build_trainer_config({"swap_optimizer": None})
@@ -170,13 +196,23 @@ def test_trainer_config_without_section_is_unchanged(tmp_path) -> None:
 
 
 def test_trainer_config_with_section() -> None:
-    out = build_trainer_config({"callbacks": [{"type": "MaxLogitsMonitor"}],
-                                "swap_optimizer": {"swap_times": 8}})
-    assert out == {"callbacks": [
-        {"type": "MaxLogitsMonitor"},
-        {"type": "SwapOptimizerCallback", "swap_times": 8, "state_keys": None, "min_numel": 1024,
-         "include_master_params": False, "packed_swap": None, "runtime": "auto"},
-    ]}
+    out = build_trainer_config(
+        {"callbacks": [{"type": "MaxLogitsMonitor"}], "swap_optimizer": {"swap_times": 8}}
+    )
+    assert out == {
+        "callbacks": [
+            {"type": "MaxLogitsMonitor"},
+            {
+                "type": "SwapOptimizerCallback",
+                "swap_times": 8,
+                "state_keys": None,
+                "min_numel": 1024,
+                "include_master_params": False,
+                "packed_swap": None,
+                "runtime": "auto",
+            },
+        ]
+    }
 
 
 def test_section_and_explicit_callback_conflict() -> None:
@@ -185,7 +221,8 @@ def test_section_and_explicit_callback_conflict() -> None:
         build_trainer_config(both)
     # A disabled section leaves the explicit entry in charge.
     assert build_trainer_config({**both, "swap_optimizer": {"enable": False}}) == {
-        "callbacks": [{"type": "SwapOptimizerCallback"}]}
+        "callbacks": [{"type": "SwapOptimizerCallback"}]
+    }
 
 
 def test_launcher_reports_invalid_yaml(tmp_path, capsys) -> None:
@@ -211,8 +248,9 @@ def test_import_without_mindformers_names_the_extra(monkeypatch) -> None:
 
 
 def _train(optimizer: AdamW, model: T.TinyLM, steps: int) -> None:
-    grad_fn = ms.value_and_grad(lambda ids, labels: model(ids, labels)[0], None,
-                                optimizer.parameters)
+    grad_fn = ms.value_and_grad(
+        lambda ids, labels: model(ids, labels)[0], None, optimizer.parameters
+    )
     rng = np.random.default_rng(1)
     for _ in range(steps):
         ids = ms.Tensor(rng.integers(0, T.VOCAB, (4, T.SEQ)).astype(np.int32))
@@ -265,13 +303,30 @@ def test_callback_refuses_without_optimizer_or_in_graph_mode() -> None:
 def _launch(folder: Path, config: dict, *extra: str) -> subprocess.Popen:
     folder.mkdir()
     (folder / "train.yaml").write_text(yaml.safe_dump(config))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(REPO), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
     env.pop("LOG_MF_PATH", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "swapopt_plugins.mindformers", "--config", "train.yaml",
-         "--register", "_mindformers_tiny", *extra],
-        cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "swapopt_plugins.mindformers",
+            "--config",
+            "train.yaml",
+            "--register",
+            "_mindformers_tiny",
+            *extra,
+        ],
+        cwd=folder,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _finish(proc: subprocess.Popen) -> str:
@@ -283,8 +338,15 @@ def _finish(proc: subprocess.Popen) -> str:
 def _checkpoint(folder: Path, step: int) -> dict[str, np.ndarray]:
     tensors = {}
     for part in ("model", "opt"):
-        tensors.update(load_file(str(
-            folder / f"iteration_{step:08d}" / f"checkpoint-{part}-0000000-0000001.safetensors")))
+        tensors.update(
+            load_file(
+                str(
+                    folder
+                    / f"iteration_{step:08d}"
+                    / f"checkpoint-{part}-0000000-0000001.safetensors"
+                )
+            )
+        )
     return tensors
 
 
@@ -310,11 +372,14 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
         (start / f"iteration_{SAVE_EVERY:08d}" / file.name).write_bytes(file.read_bytes())
     (start / "latest_checkpointed_iteration.txt").write_text(str(SAVE_EVERY))
     resumed = root / "resumed"
-    resumed_proc = _launch(resumed / "run", config("resumed/run", callbacks=[CALLBACK]),
-                           "--checkpoint", str(start))
+    resumed_proc = _launch(
+        resumed / "run", config("resumed/run", callbacks=[CALLBACK]), "--checkpoint", str(start)
+    )
     outputs["resumed"] = _finish(resumed_proc)
-    return {name: (root / name / ("run" if name == "resumed" else "") / "ckpt", out)
-            for name, out in outputs.items()}
+    return {
+        name: (root / name / ("run" if name == "resumed" else "") / "ckpt", out)
+        for name, out in outputs.items()
+    }
 
 
 def _stats(output: str) -> dict:

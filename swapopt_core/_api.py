@@ -59,9 +59,7 @@ def _pick_runtime(
             )
         return chosen()
     types = _param_devices(optimizer)
-    matching = {
-        name: cls for name, cls in runtimes.items() if set(cls.device_types) & types
-    }
+    matching = {name: cls for name, cls in runtimes.items() if set(cls.device_types) & types}
     if len(matching) > 1:
         raise SwapOptError(
             f"runtime='auto' is ambiguous for parameters on {sorted(types)}: runtimes "
@@ -178,7 +176,10 @@ def swap_optimizer(
     logger.info(
         "swapopt installed on %s: runtime=%s packed=%s swap_times=%d; %d existing state "
         "tensors offloaded%s",
-        type(optimizer).__name__, runtime.name, engine.staging.packed, config.swap_times,
+        type(optimizer).__name__,
+        runtime.name,
+        engine.staging.packed,
+        config.swap_times,
         len(engine.slots),
         "" if framework == "mindspore" else ", new state starts in host memory at its first step",
     )
@@ -227,9 +228,7 @@ def offload_optimizer_state(optimizer: Any) -> int:
         for group in optimizer.param_groups
         for param in group["params"]
         for key, value in optimizer.state.get(param, {}).items()
-        if key in engine.keys(group)
-        and id(value) not in ours
-        and engine.swappable(param, value)
+        if key in engine.keys(group) and id(value) not in ours and engine.swappable(param, value)
     )
     with torch.no_grad():
         engine.sync_state()

@@ -101,9 +101,7 @@ class SwapOptimizerConfig:
                     f"got {self.state_keys!r}. Use None to swap every key the optimizer owns."
                 )
             if len(set(keys)) != len(keys):
-                raise ValueError(
-                    f"SwapOptimizerConfig.state_keys lists a key twice: {keys!r}."
-                )
+                raise ValueError(f"SwapOptimizerConfig.state_keys lists a key twice: {keys!r}.")
             object.__setattr__(self, "state_keys", keys)
         for name in ("include_master_params",):
             if not isinstance(getattr(self, name), bool):

@@ -93,5 +93,3 @@ class SwapOptSpecs:
     @hookspec
     def swapopt_on_uninstall(self, optimizer: torch.optim.Optimizer) -> None:
         """Called after the swap was removed and the state moved back to the device."""
-
-

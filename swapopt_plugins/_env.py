@@ -106,17 +106,26 @@ def _budget(value: object) -> float | None:
 #: field name -> (environment variable, parser, accepted values in words, default)
 _OPTIONS: dict[str, tuple[str, Callable[[object], Any], str, Any]] = {
     "offload_optimizer_device": (
-        "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE", _device, "'none' or 'cpu'", "none"),
-    "swap_times": ("SWAPOPT_SWAP_TIMES", _int(1), "an integer >= 1",
-                   _SWAP_DEFAULTS["swap_times"]),
-    "min_numel": ("SWAPOPT_MIN_NUMEL", _int(0), "an integer >= 0",
-                  _SWAP_DEFAULTS["min_numel"]),
-    "packed_swap": ("SWAPOPT_PACKED_SWAP", _packed,
-                    f"'auto' (runtime default) or a boolean ({'/'.join(_TRUE + _FALSE)})", None),
+        "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE",
+        _device,
+        "'none' or 'cpu'",
+        "none",
+    ),
+    "swap_times": ("SWAPOPT_SWAP_TIMES", _int(1), "an integer >= 1", _SWAP_DEFAULTS["swap_times"]),
+    "min_numel": ("SWAPOPT_MIN_NUMEL", _int(0), "an integer >= 0", _SWAP_DEFAULTS["min_numel"]),
+    "packed_swap": (
+        "SWAPOPT_PACKED_SWAP",
+        _packed,
+        f"'auto' (runtime default) or a boolean ({'/'.join(_TRUE + _FALSE)})",
+        None,
+    ),
     "runtime": ("SWAPOPT_RUNTIME", _runtime, "one of {runtimes}", "auto"),
-    "activation_budget_mb": ("SWAPOPT_ACTIVATION_BUDGET_MB", _budget,
-                             "a number of MiB >= 0, or 'none' to switch activation offload off",
-                             None),
+    "activation_budget_mb": (
+        "SWAPOPT_ACTIVATION_BUDGET_MB",
+        _budget,
+        "a number of MiB >= 0, or 'none' to switch activation offload off",
+        None,
+    ),
 }
 
 #: field name -> environment variable it defaults from.

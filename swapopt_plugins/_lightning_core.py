@@ -158,7 +158,8 @@ class SwapCallbackCore:
         if "DeepSpeedStrategy" in names:
             zero = (getattr(strategy, "config", None) or {}).get("zero_optimization", {})
             offloads = [
-                key for key in ("offload_optimizer", "offload_param")
+                key
+                for key in ("offload_optimizer", "offload_param")
                 if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"
             ]
             already = f" and already offloads it ({', '.join(offloads)})" if offloads else ""
@@ -202,7 +203,9 @@ class SwapCallbackCore:
                 self._handles.append(opt.register_step_post_hook(self._after_step))
         self._say(
             "swapopt: optimizer swap on %d of %d optimizers (%s)%s",
-            len(self._installed), len(self._optimizers), self.config,
+            len(self._installed),
+            len(self._optimizers),
+            self.config,
             f"; activation offload {self.activation_offload}" if self.activation_offload else "",
         )
 

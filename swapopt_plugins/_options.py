@@ -118,11 +118,14 @@ def read_settings(
     unknown = sorted(set(given) - set(ENV_VARS))
     if unknown:
         raise ValueError(f"{owner} has no setting {unknown}; known: {sorted(ENV_VARS)}.")
-    own = read_options(_OWN, {k: v for k, v in given.items() if k in _OWN},
-                       source=owner, labels=labels)
+    own = read_options(
+        _OWN, {k: v for k, v in given.items() if k in _OWN}, source=owner, labels=labels
+    )
     swap = SwapOptimizerConfig.from_options(
         {k: given[k] for k in _SWAP_FIELDS if k in given},
-        source=owner, labels=labels, framework="torch",
+        source=owner,
+        labels=labels,
+        framework="torch",
     )
     budget = own.get("activation_budget_mb")
     wanted = {"max_resident_activation_mb": budget} if budget is not None else {}
@@ -130,7 +133,8 @@ def read_settings(
         wanted["runtime"] = given["activation_runtime"]
     # Checked even without a budget, so a misspelt runtime is reported at once.
     checked = OffloadConfig.from_options(
-        wanted, source=owner,
+        wanted,
+        source=owner,
         labels={"runtime": labels.get("activation_runtime", f"{owner}.activation_runtime")},
     )
     activations = checked if budget is not None else None

@@ -102,8 +102,9 @@ def _check_supported(accelerator: Accelerator, plugin: SwapOptimizerPlugin) -> N
             "(fsdp_version: 2) to use swapopt."
         )
     fsdp = getattr(accelerator.state, "fsdp_plugin", None)
-    if kind == DistributedType.FSDP and getattr(getattr(fsdp, "cpu_offload", None),
-                                                "offload_params", False):
+    if kind == DistributedType.FSDP and getattr(
+        getattr(fsdp, "cpu_offload", None), "offload_params", False
+    ):
         raise ValueError(
             "swapopt cannot swap optimizer state with FSDP cpu_offload=True: parameters and "
             "state already live on the CPU. Turn one of the two off."
@@ -118,16 +119,19 @@ def _install(accelerator: Accelerator, prepared: Any, plugin: SwapOptimizerPlugi
         if not isinstance(obj, AcceleratedOptimizer) or getattr(obj, _MARK, False):
             continue
         if is_swap_optimizer(obj.optimizer):
-            logger.info("%s is already swapped; keeping its config",
-                        type(obj.optimizer).__name__)
+            logger.info("%s is already swapped; keeping its config", type(obj.optimizer).__name__)
         else:
             swap_optimizer(obj.optimizer, config)
         setattr(obj, _MARK, True)
         swapped.append(obj)
 
 
-def prepare(accelerator: Accelerator, *objects: Any,
-            plugin: SwapOptimizerPlugin | None = None, **kwargs: Any) -> Any:
+def prepare(
+    accelerator: Accelerator,
+    *objects: Any,
+    plugin: SwapOptimizerPlugin | None = None,
+    **kwargs: Any,
+) -> Any:
     """``accelerator.prepare(*objects)``, then swap every optimizer it prepared.
 
     For code that keeps a plain ``Accelerator``. After ``accelerator.load_state(...)`` call
@@ -210,8 +214,9 @@ class SwapAccelerator(Accelerator):
         ValueError: The swap is on and the distributed type manages optimizer state itself.
     """
 
-    def __init__(self, *args: Any, swap_plugin: SwapOptimizerPlugin | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, swap_plugin: SwapOptimizerPlugin | None = None, **kwargs: Any
+    ) -> None:
         plugin = SwapOptimizerPlugin() if swap_plugin is None else swap_plugin
         if not isinstance(plugin, SwapOptimizerPlugin):
             raise TypeError(f"swap_plugin must be a SwapOptimizerPlugin, got {plugin!r}.")
@@ -231,12 +236,18 @@ class SwapAccelerator(Accelerator):
         """The ``OffloadSession`` for the activation budget; see :func:`offload_session`."""
         return offload_session(self)
 
-    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
-                   **load_model_func_kwargs: Any) -> None:
+    def load_state(
+        self,
+        input_dir: str | None = None,
+        load_kwargs: dict | None = None,
+        **load_model_func_kwargs: Any,
+    ) -> None:
         """``Accelerator.load_state``, then the loaded optimizer state back to host memory."""
         super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
-        moved = sum(offload_optimizer_state(opt.optimizer)
-                    for opt in self.__dict__.get("_swapopt_optimizers", []))
+        moved = sum(
+            offload_optimizer_state(opt.optimizer)
+            for opt in self.__dict__.get("_swapopt_optimizers", [])
+        )
         logger.debug("swapopt: %d optimizer state tensors offloaded after load_state", moved)
 
     def free_memory(self, *objects: Any) -> Any:

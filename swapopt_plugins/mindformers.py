@@ -159,12 +159,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the YAML keeps the optimizer state in host memory.",
     )
     parser.add_argument("--config", required=True, help="training YAML")
-    parser.add_argument("--register", action="append", default=[], metavar="MODULE",
-                        help="import MODULE first, so it registers models or configs "
-                        "(repeatable)")
+    parser.add_argument(
+        "--register",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first, so it registers models or configs (repeatable)",
+    )
     parser.add_argument("--checkpoint", default=None, help="resume from this checkpoint folder")
-    parser.add_argument("--mode", default="pretrain", choices=["pretrain", "finetune"],
-                        help="passed to Trainer.train(mode=...)")
+    parser.add_argument(
+        "--mode",
+        default="pretrain",
+        choices=["pretrain", "finetune"],
+        help="passed to Trainer.train(mode=...)",
+    )
     args = parser.parse_args(argv)
 
     import yaml

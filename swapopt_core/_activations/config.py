@@ -107,4 +107,3 @@ _OPTIONS = {
     "runtime": Option(parse_choice(lambda: RUNTIMES), "one of {choices}", lambda: RUNTIMES),
     "min_offload_kib": Option(parse_mib(allow_none=False), "a number of KiB >= 0"),
 }
-

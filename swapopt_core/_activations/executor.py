@@ -188,7 +188,8 @@ class Executor:
             accesses = tuple(Access(sid, kind) for sid, kind in opened.accesses.items())
             self.ops.append((opened.name, opened.start, end, accesses))
             written = tuple(
-                sid for sid, kind in opened.accesses.items()
+                sid
+                for sid, kind in opened.accesses.items()
                 if kind is AccessKind.WRITE and sid not in {b[1] for b in bindings}
             )
             self.guide.append(OpGuide(opened.name, tuple(bindings), written))
@@ -220,9 +221,14 @@ class Executor:
         if residency.resident_bytes <= self.budget:
             return
         candidates = sorted(
-            (e for e in residency.by_sid.values()
-             if e.alive and e.resident and e.sid not in protected
-             and e.nbytes >= self.min_offload),
+            (
+                e
+                for e in residency.by_sid.values()
+                if e.alive
+                and e.resident
+                and e.sid not in protected
+                and e.nbytes >= self.min_offload
+            ),
             key=lambda e: (e.produced_at, -e.nbytes),
         )
         for entry in candidates:

@@ -92,12 +92,20 @@ class CudaActivationRuntime(ActivationRuntime):
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         host, error = alloc_pinned(nbytes, torch.uint8)
         if error:
-            logger.warning("cudaHostRegister failed (cudaError %d); offloaded activations "
-                           "use pageable memory, so copies will not overlap.", error)
+            logger.warning(
+                "cudaHostRegister failed (cudaError %d); offloaded activations "
+                "use pageable memory, so copies will not overlap.",
+                error,
+            )
         return host
 
-    def _issue(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
-               device_side: torch.Tensor) -> torch.cuda.Event:
+    def _issue(
+        self,
+        stream: torch.cuda.Stream,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        device_side: torch.Tensor,
+    ) -> torch.cuda.Event:
         # The copy starts after the compute work queued so far (producer done, or the
         # re-allocated block no longer in use by earlier kernels).
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -145,8 +153,10 @@ class CudaActivationRuntime(ActivationRuntime):
         host = self.alloc_host(nbytes)
         results: dict[str, list[float]] = {"d2h": [], "h2d": []}
         for _ in range(repeats + 1):
-            for name, stream, dst, src in (("d2h", self.d2h, host, device),
-                                           ("h2d", self.h2d, device, host)):
+            for name, stream, dst, src in (
+                ("d2h", self.d2h, host, device),
+                ("h2d", self.h2d, device, host),
+            ):
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 with torch.cuda.stream(stream):

@@ -107,8 +107,16 @@ class OffloadSession:
         self._executor: Executor | None = None
         self._strikes = 0  # replays in a row that diverged from the current plan
         self._token: contextvars.Token | None = None
-        self._counts = {"warmups": 0, "replays": 0, "retraces": 0, "d2h": 0, "h2d": 0,
-                        "peak": 0, "last_peak": 0, "refusals": 0}
+        self._counts = {
+            "warmups": 0,
+            "replays": 0,
+            "retraces": 0,
+            "d2h": 0,
+            "h2d": 0,
+            "peak": 0,
+            "last_peak": 0,
+            "refusals": 0,
+        }
 
     def _resolve_planner(self) -> Any:
         from swapopt_core._plugins import get_plugin_manager, residency_planners
@@ -156,7 +164,10 @@ class OffloadSession:
         assert self._pool is not None
         replay = self.schedule is not None and self._guide is not None
         self._executor = Executor(
-            self._runtime, self._pool, self.config.budget_bytes, self.config.min_offload_bytes,
+            self._runtime,
+            self._pool,
+            self.config.budget_bytes,
+            self.config.min_offload_bytes,
             schedule=self.schedule if replay else None,
             guide=list(self._guide) if replay and self._guide is not None else None,
         )
@@ -193,8 +204,9 @@ class OffloadSession:
             self._strikes = 0
             return
         if executor.replaying:  # the step ended early: its ops differ from the trace
-            logger.info("activation replay ran %d of %d traced ops",
-                        executor.op + 1, len(executor.guide))
+            logger.info(
+                "activation replay ran %d of %d traced ops", executor.op + 1, len(executor.guide)
+            )
             executor.diverged, executor.recording = True, False
         if executor.diverged:
             self._counts["retraces"] += 1
@@ -226,7 +238,9 @@ class OffloadSession:
         self._guide = executor.guide
         logger.info(
             "activation warmup traced %d ops, %d storages; planned %d actions",
-            len(self.trace.ops), len(self.trace.storage_sizes), len(self.schedule),
+            len(self.trace.ops),
+            len(self.trace.storage_sizes),
+            len(self.schedule),
         )
 
     # ---- results -------------------------------------------------------------------------
@@ -267,8 +281,9 @@ class OffloadSession:
             flat_out, spec_out = tree_flatten(result)
             out_slots = [i for i, v in enumerate(flat_out) if _differentiable(v)]
             if out_slots:
-                ended = _RegionEnd.apply(executor, name, through[0],
-                                         *(flat_out[i] for i in out_slots))
+                ended = _RegionEnd.apply(
+                    executor, name, through[0], *(flat_out[i] for i in out_slots)
+                )
                 for i, value in zip(out_slots, ended[1:], strict=True):
                     flat_out[i] = value
             outputs = tree_unflatten(flat_out, spec_out)
@@ -299,8 +314,9 @@ class _RegionEnd(torch.autograd.Function):
     """Identity at a region's exit; its backward opens the region's backward op."""
 
     @staticmethod
-    def forward(ctx: Any, executor: Executor, name: str, dummy: torch.Tensor,
-                *tensors: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, executor: Executor, name: str, dummy: torch.Tensor, *tensors: torch.Tensor
+    ) -> Any:
         ctx.executor, ctx.name = executor, name
         return (dummy.view_as(dummy), *(t.view_as(t) for t in tensors))
 

@@ -174,8 +174,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _train(
-    template: nn.Module, batches: torch.Tensor, eval_batch: torch.Tensor,
-    config: SwapOptimizerConfig | None, options: DemoOptions, progress: Progress,
+    template: nn.Module,
+    batches: torch.Tensor,
+    eval_batch: torch.Tensor,
+    config: SwapOptimizerConfig | None,
+    options: DemoOptions,
+    progress: Progress,
 ) -> RunResult:
     """Trains a copy of ``template``; with a ``config`` its AdamW runs swapped."""
     device = batches.device
@@ -242,8 +246,13 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoReport
     batches, eval_batch = data[:-1], data[-1]
     logger.info("demo: %d parameters on %s, %d steps each run", num_params, device, options.steps)
     console = console or Console()
-    columns = (TextColumn("{task.description:>14}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description:>14}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
         plain = _train(template, batches, eval_batch, None, options, progress)
         swapped = _train(template, batches, eval_batch, config, options, progress)
@@ -280,23 +289,44 @@ def render_report(report: DemoReport) -> Table:
     steps = max(stats.steps, 1)
     rows = [
         ("loss at step 1", f"{plain.first_loss:.6f}", f"{swapped.first_loss:.6f}", ""),
-        ("final loss", f"{plain.final_loss:.6f}", f"{swapped.final_loss:.6f}",
-         "equal" if plain.final_loss == swapped.final_loss else "DIFFERENT"),
+        (
+            "final loss",
+            f"{plain.final_loss:.6f}",
+            f"{swapped.final_loss:.6f}",
+            "equal" if plain.final_loss == swapped.final_loss else "DIFFERENT",
+        ),
         ("final parameters", "", "", "bit-identical" if report.identical else "NOT bit-identical"),
-        ("peak device opt. state", _mib(plain.state_bytes), _mib(swapped_peak),
-         f"{_ratio(swapped_peak, plain.state_bytes)} of plain"),
+        (
+            "peak device opt. state",
+            _mib(plain.state_bytes),
+            _mib(swapped_peak),
+            f"{_ratio(swapped_peak, plain.state_bytes)} of plain",
+        ),
     ]
     if plain.cuda_peak_bytes is not None and swapped.cuda_peak_bytes is not None:
-        rows.append(("peak CUDA allocated", _mib(plain.cuda_peak_bytes),
-                     _mib(swapped.cuda_peak_bytes),
-                     f"{_ratio(swapped.cuda_peak_bytes, plain.cuda_peak_bytes)} of plain"))
+        rows.append(
+            (
+                "peak CUDA allocated",
+                _mib(plain.cuda_peak_bytes),
+                _mib(swapped.cuda_peak_bytes),
+                f"{_ratio(swapped.cuda_peak_bytes, plain.cuda_peak_bytes)} of plain",
+            )
+        )
     rows += [
-        ("host opt. state", _mib(0), _mib(stats.host_state_bytes),
-         f"pinned {_mib(stats.pinned_host_bytes)}"),
+        (
+            "host opt. state",
+            _mib(0),
+            _mib(stats.host_state_bytes),
+            f"pinned {_mib(stats.pinned_host_bytes)}",
+        ),
         ("moved H2D", _mib(0), _mib(stats.h2d_bytes), f"{_mib(stats.h2d_bytes // steps)}/step"),
         ("moved D2H", _mib(0), _mib(stats.d2h_bytes), f"{_mib(stats.d2h_bytes // steps)}/step"),
-        ("median opt.step()", f"{plain_ms:.2f} ms", f"{swapped_ms:.2f} ms",
-         f"{_ratio(swapped_ms, plain_ms)} swapped/plain"),
+        (
+            "median opt.step()",
+            f"{plain_ms:.2f} ms",
+            f"{swapped_ms:.2f} ms",
+            f"{_ratio(swapped_ms, plain_ms)} swapped/plain",
+        ),
     ]
     for row in rows:
         table.add_row(*row)

@@ -68,21 +68,42 @@ def _demo_command(parser: argparse.ArgumentParser) -> Handler:
     dflt = " (default: %(default)s)"
     add = parser.add_argument
     add("--steps", type=_positive_int, default=defaults.steps, help="steps per run" + dflt)
-    add("--swap-times", type=_positive_int, default=defaults.swap_times,
-        help="batches the swapped step is pipelined over" + dflt)
+    add(
+        "--swap-times",
+        type=_positive_int,
+        default=defaults.swap_times,
+        help="batches the swapped step is pipelined over" + dflt,
+    )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--packed", dest="packed", action="store_const", const=True,
-                      default=defaults.packed,
-                      help="one host buffer per dtype, staged through two device arenas "
-                      "(default: the runtime's choice)")
-    mode.add_argument("--per-tensor", dest="packed", action="store_const", const=False,
-                      help="one host mirror per state tensor")
-    add("--device", default=defaults.device,
-        help="torch device (default: cuda if available, else cpu; cpu uses the loopback runtime)")
+    mode.add_argument(
+        "--packed",
+        dest="packed",
+        action="store_const",
+        const=True,
+        default=defaults.packed,
+        help="one host buffer per dtype, staged through two device arenas "
+        "(default: the runtime's choice)",
+    )
+    mode.add_argument(
+        "--per-tensor",
+        dest="packed",
+        action="store_const",
+        const=False,
+        help="one host mirror per state tensor",
+    )
+    add(
+        "--device",
+        default=defaults.device,
+        help="torch device (default: cuda if available, else cpu; cpu uses the loopback runtime)",
+    )
     add("--seed", type=int, default=defaults.seed, help="seed of the weights and the data" + dflt)
     add("--layers", type=_positive_int, default=defaults.layers, help="transformer blocks" + dflt)
-    add("--width", type=_positive_int, default=defaults.width,
-        help=f"embedding width, a multiple of {defaults.heads} heads" + dflt)
+    add(
+        "--width",
+        type=_positive_int,
+        default=defaults.width,
+        help=f"embedding width, a multiple of {defaults.heads} heads" + dflt,
+    )
 
     def run(args: argparse.Namespace) -> int:
         if args.width % defaults.heads:
@@ -127,8 +148,13 @@ def _plan_command(parser: argparse.ArgumentParser) -> Handler:
     )
     add = parser.add_argument
     add("--trace", required=True, metavar="T.json", help="the activation trace to plan")
-    add("--budget-mb", required=True, type=float, metavar="MB",
-        help="activation budget on the device, in MiB")
+    add(
+        "--budget-mb",
+        required=True,
+        type=float,
+        metavar="MB",
+        help="activation budget on the device, in MiB",
+    )
     add("--out", required=True, metavar="P.json", help="where to write the schedule")
     add("--planner", default="auto", help=_PLANNER_HELP)
 
@@ -162,9 +188,13 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
     add = parser.add_argument
     add("--trace", required=True, metavar="T.json", help="the activation trace")
     add("--schedule", metavar="P.json", help="a schedule written by `swapopt plan` for this trace")
-    add("--budget-mb", type=float, metavar="MB",
+    add(
+        "--budget-mb",
+        type=float,
+        metavar="MB",
         help="activation budget in MiB: without --schedule, plan the trace under it now; "
-        "with --schedule, only draw it (default: the trace's own budget)")
+        "with --schedule, only draw it (default: the trace's own budget)",
+    )
     add("--out", required=True, metavar="timeline.png", help="the image to write")
     add("--planner", default="auto", help=_PLANNER_HELP + "; with --budget-mb only")
 
@@ -174,8 +204,10 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
         if args.schedule is None and args.budget_mb is None:
             parser.error("give --schedule P.json (a plan to draw) or --budget-mb MB (plan now).")
         if args.schedule is not None and args.planner != "auto":
-            parser.error(f"--planner {args.planner}: applies only with --budget-mb; "
-                         f"--schedule {args.schedule} is already planned. Drop one of them.")
+            parser.error(
+                f"--planner {args.planner}: applies only with --budget-mb; "
+                f"--schedule {args.schedule} is already planned. Drop one of them."
+            )
         try:
             cli.image_target(args.out)
             if args.schedule is not None:
@@ -191,9 +223,11 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
             parser.error(str(error))
         except OSError as error:
             parser.error(f"--out {args.out}: cannot be written ({error}).")
-        Console().print(f"Memory timeline written to {args.out} (peak "
-                        f"{result.peak_bytes / cli.MIB:,.1f} MiB, overhead "
-                        f"{100 * result.overhead:.1f} %).")
+        Console().print(
+            f"Memory timeline written to {args.out} (peak "
+            f"{result.peak_bytes / cli.MIB:,.1f} MiB, overhead "
+            f"{100 * result.overhead:.1f} %)."
+        )
         return 0
 
     return run
@@ -211,8 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="swapopt",
         description="Keep optimizer state and activations in host memory, bit for bit.",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="log more (-v: info, -vv: debug)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log more (-v: info, -vv: debug)"
+    )
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     commands.required = True
     for command in _COMMANDS:

@@ -47,8 +47,9 @@ def _steps(timeline: Sequence[tuple[float, int]]) -> tuple[list[float], list[flo
     return times, mib
 
 
-def plot_timeline(trace: ActivationTrace, schedule: ResidencySchedule | None,
-                  out: str | Path, *, dpi: int = 150) -> SimulationResult:
+def plot_timeline(
+    trace: ActivationTrace, schedule: ResidencySchedule | None, out: str | Path, *, dpi: int = 150
+) -> SimulationResult:
     """Simulate ``trace`` with ``schedule`` and draw its memory timeline to ``out`` (PNG).
 
     Args:
@@ -76,18 +77,35 @@ def plot_timeline(trace: ActivationTrace, schedule: ResidencySchedule | None,
     memory, lanes = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
 
     times, mib = _steps(natural.timeline)
-    memory.step(times, mib, where="post", color=_NATURAL, linewidth=1.2,
-                label=f"no plan, natural (peak {natural.peak_bytes / MIB:,.1f} MiB)")
+    memory.step(
+        times,
+        mib,
+        where="post",
+        color=_NATURAL,
+        linewidth=1.2,
+        label=f"no plan, natural (peak {natural.peak_bytes / MIB:,.1f} MiB)",
+    )
     memory.fill_between(times, mib, step="post", color=_NATURAL, alpha=0.15)
     if schedule is not None:
         times, mib = _steps(planned.timeline)
-        memory.step(times, mib, where="post", color=_PLANNED, linewidth=1.6,
-                    label=f"with plan (peak {planned.peak_bytes / MIB:,.1f} MiB)")
+        memory.step(
+            times,
+            mib,
+            where="post",
+            color=_PLANNED,
+            linewidth=1.6,
+            label=f"with plan (peak {planned.peak_bytes / MIB:,.1f} MiB)",
+        )
         memory.fill_between(times, mib, step="post", color=_PLANNED, alpha=0.2)
     budget = trace.memory_limit_bytes
     if budget is not None:
-        memory.axhline(budget / MIB, color=_BUDGET, linestyle="--", linewidth=1.2,
-                       label=f"budget ({budget / MIB:,.1f} MiB)")
+        memory.axhline(
+            budget / MIB,
+            color=_BUDGET,
+            linestyle="--",
+            linewidth=1.2,
+            label=f"budget ({budget / MIB:,.1f} MiB)",
+        )
     memory.set_ylabel("resident activations (MiB)")
     memory.set_ylim(bottom=0)
     memory.grid(True, alpha=0.3)
@@ -95,11 +113,13 @@ def plot_timeline(trace: ActivationTrace, schedule: ResidencySchedule | None,
 
     labels = []
     for lane, (direction, color) in enumerate(reversed(_LANES)):
-        spans = [(c.start_ms, c.end_ms - c.start_ms)
-                 for c in planned.copies if c.direction == direction]
+        spans = [
+            (c.start_ms, c.end_ms - c.start_ms) for c in planned.copies if c.direction == direction
+        ]
         if spans:
-            lanes.broken_barh(spans, (lane - 0.35, 0.7), facecolors=color,
-                              edgecolors="black", linewidth=0.3)
+            lanes.broken_barh(
+                spans, (lane - 0.35, 0.7), facecolors=color, edgecolors="black", linewidth=0.3
+            )
         moved = planned.d2h_bytes if direction == "D2H" else planned.h2d_bytes
         copies = f"{len(spans)} cop{'y' if len(spans) == 1 else 'ies'}"
         labels.append(f"{direction}: {copies}\n{moved / MIB:,.1f} MiB")
@@ -109,8 +129,10 @@ def plot_timeline(trace: ActivationTrace, schedule: ResidencySchedule | None,
     lanes.grid(True, axis="x", alpha=0.3)
     lanes.set_xlim(left=0, right=max(planned.total_ms, natural.total_ms) * 1.01 or 1.0)
 
-    title = (f"Activation memory over one step: {len(trace.ops)} ops, "
-             f"overhead {100 * planned.overhead:.1f} %")
+    title = (
+        f"Activation memory over one step: {len(trace.ops)} ops, "
+        f"overhead {100 * planned.overhead:.1f} %"
+    )
     if planned.demand_fetches:
         title += f", {planned.demand_fetches} demand fetches"
     figure.suptitle(title)

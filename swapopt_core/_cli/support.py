@@ -72,18 +72,29 @@ def _parse(path: str, flag: str, what: str, writer: str, parse: Any) -> Any:
 
 def read_trace(path: str, flag: str = "--trace") -> ActivationTrace:
     """The trace in ``path``, as written by ``ActivationTrace.to_json()``."""
-    return _parse(path, flag, "an activation trace",
-                  "ActivationTrace.to_json() (OffloadSession.trace)", ActivationTrace.from_json)
+    return _parse(
+        path,
+        flag,
+        "an activation trace",
+        "ActivationTrace.to_json() (OffloadSession.trace)",
+        ActivationTrace.from_json,
+    )
 
 
 def read_schedule(path: str, flag: str = "--schedule") -> ResidencySchedule:
     """The schedule in ``path``, as written by ``ResidencySchedule.to_json()``."""
-    return _parse(path, flag, "a residency schedule",
-                  "`swapopt plan` or ResidencySchedule.to_json()", ResidencySchedule.from_json)
+    return _parse(
+        path,
+        flag,
+        "a residency schedule",
+        "`swapopt plan` or ResidencySchedule.to_json()",
+        ResidencySchedule.from_json,
+    )
 
 
-def simulate_checked(trace: ActivationTrace, schedule: ResidencySchedule | None, path: str,
-                     flag: str = "--schedule") -> SimulationResult:
+def simulate_checked(
+    trace: ActivationTrace, schedule: ResidencySchedule | None, path: str, flag: str = "--schedule"
+) -> SimulationResult:
     """``simulate``, with a schedule that cannot run on ``trace`` reported against ``flag``."""
     try:
         return simulate(trace, schedule)
@@ -104,8 +115,9 @@ def budget_bytes(megabytes: float, flag: str = "--budget-mb") -> int:
     return int(megabytes * MIB)
 
 
-def choose_planner(manager: pluggy.PluginManager, name: str,
-                   flag: str = "--planner") -> ResidencyPlanner:
+def choose_planner(
+    manager: pluggy.PluginManager, name: str, flag: str = "--planner"
+) -> ResidencyPlanner:
     """The registered planner called ``name`` (``auto``: the default planner)."""
     from swapopt_core._plugins import residency_planners
 
@@ -113,8 +125,11 @@ def choose_planner(manager: pluggy.PluginManager, name: str,
     wanted = DEFAULT_PLANNER if name == "auto" else name
     if wanted not in planners:
         choices = ", ".join(sorted({"auto", *planners}))
-        problem = (f"the default planner {wanted!r} is not registered" if name == "auto"
-                   else "no planner is registered under that name")
+        problem = (
+            f"the default planner {wanted!r} is not registered"
+            if name == "auto"
+            else "no planner is registered under that name"
+        )
         raise CommandError(
             f"{flag} {name}: {problem}. Choose one of: {choices}; "
             "or install the plugin that provides it (swapopt_register_planners)."
@@ -122,15 +137,21 @@ def choose_planner(manager: pluggy.PluginManager, name: str,
     return planners[wanted]
 
 
-def plan_trace(trace: ActivationTrace, limit_bytes: int, planner: ResidencyPlanner,
-               ) -> tuple[ActivationTrace, ResidencySchedule]:
+def plan_trace(
+    trace: ActivationTrace,
+    limit_bytes: int,
+    planner: ResidencyPlanner,
+) -> tuple[ActivationTrace, ResidencySchedule]:
     """``trace`` under the budget ``limit_bytes`` and the schedule ``planner`` makes for it."""
     limited = trace.with_limit(limit_bytes)
     return limited, planner.plan(limited)
 
 
-def plan_file(trace_path: str, budget_mb: float, planner_name: str,
-              ) -> tuple[ActivationTrace, ResidencySchedule, str]:
+def plan_file(
+    trace_path: str,
+    budget_mb: float,
+    planner_name: str,
+) -> tuple[ActivationTrace, ResidencySchedule, str]:
     """The trace in ``trace_path`` under ``budget_mb`` MiB, the schedule the registered
     planner ``planner_name`` makes for it, and that planner's name (``auto`` resolved)."""
     from swapopt_core._plugins import get_plugin_manager
@@ -178,12 +199,15 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / MIB:,.2f} MiB"
 
 
-def summary(trace: ActivationTrace, schedule: ResidencySchedule, planner_name: str,
-            result: SimulationResult) -> Group:
+def summary(
+    trace: ActivationTrace, schedule: ResidencySchedule, planner_name: str, result: SimulationResult
+) -> Group:
     """What the plan does to one simulated step (memory, time, copies), with any warning."""
     budget = trace.memory_limit_bytes
-    heading = (f"Plan by [bold]{planner_name}[/] for {len(trace.ops)} ops, "
-               f"{len(trace.storage_sizes)} activation storages:")
+    heading = (
+        f"Plan by [bold]{planner_name}[/] for {len(trace.ops)} ops, "
+        f"{len(trace.storage_sizes)} activation storages:"
+    )
     table = Table(show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -195,9 +219,11 @@ def summary(trace: ActivationTrace, schedule: ResidencySchedule, planner_name: s
         peak = f"[red]{peak}, over budget[/]"
         floor = min_feasible_budget(trace)
         if budget < floor:
-            notes.append(f"[yellow]No plan fits under {_mib(floor)}: some op needs that much "
-                         "on the device by itself (its inputs, outputs and what is retained). "
-                         "Raise --budget-mb.[/]")
+            notes.append(
+                f"[yellow]No plan fits under {_mib(floor)}: some op needs that much "
+                "on the device by itself (its inputs, outputs and what is retained). "
+                "Raise --budget-mb.[/]"
+            )
     table.add_row("planned peak", peak)
     table.add_row("step time", f"{result.compute_ms:,.3f} ms -> {result.total_ms:,.3f} ms")
     overhead = f"{100 * result.overhead:.1f} %"
@@ -209,6 +235,8 @@ def summary(trace: ActivationTrace, schedule: ResidencySchedule, planner_name: s
     table.add_row("moved D2H / H2D", f"{_mib(result.d2h_bytes)} / {_mib(result.h2d_bytes)}")
     table.add_row("host peak", _mib(result.peak_host_bytes))
     if result.demand_fetches:
-        table.add_row("demand fetches", f"[yellow]{result.demand_fetches}, "
-                      f"{result.demand_fetch_ms:,.3f} ms waited[/]")
+        table.add_row(
+            "demand fetches",
+            f"[yellow]{result.demand_fetches}, {result.demand_fetch_ms:,.3f} ms waited[/]",
+        )
     return Group(heading, table, *notes)

@@ -73,9 +73,7 @@ class MindSporeAdapter(ABC):
         return bool(optimizer.optim_filter[index])
 
     @abstractmethod
-    def update(
-        self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]
-    ) -> Any:
+    def update(self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]) -> Any:
         """Update parameter ``index`` with the family's own primitive.
 
         ``states`` maps every state key to the tensor to update in place: a device view

@@ -187,7 +187,9 @@ class MindSporeSwapEngine(EngineBase):
         try:
             h2d, d2h = run_pipeline(
                 [[s for i in batch for s in by_index.get(i, ())] for batch in batches],
-                self.staging, self.runtime, update,
+                self.staging,
+                self.runtime,
+                update,
             )
         except BaseException:
             self._interrupted = (identity, prepared, done)

@@ -79,17 +79,23 @@ class NnAdamAdapter(MindSporeAdapter):
     def steps(self, optimizer: Any, index: int) -> bool:
         return True  # construct maps the update over every parameter
 
-    def update(
-        self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]
-    ) -> Any:
+    def update(self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]) -> Any:
         gradients, lr, beta1_power, beta2_power = prepared
         lr = self.per_parameter(lr, optimizer.is_group_lr, index)
         param = optimizer._parameters[index]
-        tail = (beta1_power, beta2_power, lr, optimizer.beta1, optimizer.beta2, optimizer.eps,
-                gradients[index])
+        tail = (
+            beta1_power,
+            beta2_power,
+            lr,
+            optimizer.beta1,
+            optimizer.beta2,
+            optimizer.eps,
+            gradients[index],
+        )
         if optimizer.use_amsgrad:
-            return optimizer.opt(param, states["exp_avg"], states["exp_avg_sq"],
-                                 states["max_exp_avg_sq"], *tail)
+            return optimizer.opt(
+                param, states["exp_avg"], states["exp_avg_sq"], states["max_exp_avg_sq"], *tail
+            )
         return optimizer.opt(param, states["exp_avg"], states["exp_avg_sq"], *tail)
 
 
@@ -124,9 +130,7 @@ class NnAdamWeightDecayAdapter(_DecoupledDecay):
     def state(self, optimizer: Any) -> dict[str, Sequence[Any]]:
         return {"exp_avg": optimizer.moments1, "exp_avg_sq": optimizer.moments2}
 
-    def update(
-        self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]
-    ) -> Any:
+    def update(self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]) -> Any:
         from mindspore.nn.optim.adam import _adam_opt
         from mindspore.ops import functional as F
         from mindspore.ops import operations as P
@@ -135,11 +139,31 @@ class NnAdamWeightDecayAdapter(_DecoupledDecay):
         param, decay = optimizer._parameters[index], optimizer.decay_flags[index]
         m, v = states["exp_avg"], states["exp_avg_sq"]
         if optimizer.use_fused_opt:
-            optimizer.fused_opt(param, m, v, lr, optimizer.beta1, optimizer.beta2, optimizer.eps,
-                                weight_decay if decay else 0.0, P.Cast()(grad, F.dtype(param)))
+            optimizer.fused_opt(
+                param,
+                m,
+                v,
+                lr,
+                optimizer.beta1,
+                optimizer.beta2,
+                optimizer.eps,
+                weight_decay if decay else 0.0,
+                P.Cast()(grad, F.dtype(param)),
+            )
             return True
-        return _adam_opt(optimizer.beta1, optimizer.beta2, optimizer.eps, lr, weight_decay,
-                         param, m, v, grad, decay, optimizer.optim_filter[index])
+        return _adam_opt(
+            optimizer.beta1,
+            optimizer.beta2,
+            optimizer.eps,
+            lr,
+            weight_decay,
+            param,
+            m,
+            v,
+            grad,
+            decay,
+            optimizer.optim_filter[index],
+        )
 
 
 class MindFormersAdamWAdapter(_DecoupledDecay):
@@ -174,9 +198,7 @@ class MindFormersAdamWAdapter(_DecoupledDecay):
             return None
         return masters
 
-    def update(
-        self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]
-    ) -> Any:
+    def update(self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]) -> Any:
         from mindformers.core.optim.adamw import _adamw_opt
         from mindspore.ops import functional as F
 
@@ -184,8 +206,16 @@ class MindFormersAdamWAdapter(_DecoupledDecay):
         param = optimizer._parameters[index]
         target = states.get("master_param", param)
         result = _adamw_opt(
-            optimizer.beta1, optimizer.beta2, optimizer.eps, optimizer.global_step, lr,
-            weight_decay, target, grad, states["exp_avg"], states["exp_avg_sq"],
+            optimizer.beta1,
+            optimizer.beta2,
+            optimizer.eps,
+            optimizer.global_step,
+            lr,
+            weight_decay,
+            target,
+            grad,
+            states["exp_avg"],
+            states["exp_avg_sq"],
             optimizer.optim_filter[index],
         )
         if target is not param:

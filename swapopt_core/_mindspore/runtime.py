@@ -58,6 +58,7 @@ class MindSporeRuntime(TransferRuntime):
 
         return Tensor.from_numpy(host.asnumpy().copy())
 
+
 class MindSporeLoopbackRuntime(MindSporeRuntime):
     """CPU tensors play the device, separate CPU buffers the host.
 

@@ -109,7 +109,6 @@ class PerTensorStaging(StagingBase):
             raise
         return staged
 
-
     def end(self) -> None:
         return None
 
@@ -194,7 +193,6 @@ class PackedStaging(StagingBase):
             self.unstage(staged)
             raise
         return staged
-
 
     def end(self) -> None:
         self._regions = []

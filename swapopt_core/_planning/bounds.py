@@ -87,14 +87,16 @@ def _bounds_per_op(ix: TraceIndex, budget: int) -> tuple[list[float], list[float
                 # Out: max over creation ops f of (E - bytes created before f) / bw - window;
                 # the first storage of each creation op gives its term, later ones less.
                 before = accumulate((sizes[sid] for sid in movable), initial=0)
-                best = max(alive[sid] - done / bw_d2h
-                           for sid, done in zip(movable, before, strict=False))
+                best = max(
+                    alive[sid] - done / bw_d2h for sid, done in zip(movable, before, strict=False)
+                )
                 outs[i] = max(0.0, excess / bw_d2h - starts[i] + best)
                 # In: max over readers r of (E - bytes read after r) / bw - window.
                 readers = sorted((upcoming[sid], sizes[sid]) for sid in movable)
                 back = accumulate(size for _, size in readers)
-                best = max(done / bw_h2d - starts[r]
-                           for (r, _), done in zip(readers, back, strict=True))
+                best = max(
+                    done / bw_h2d - starts[r] for (r, _), done in zip(readers, back, strict=True)
+                )
                 ins[i] = max(0.0, (excess - total) / bw_h2d + ends[i] + best)
         for sid, _ in ix.accesses[i]:
             accesses = ix.by_storage[sid]
@@ -134,9 +136,7 @@ def overhead_lower_bound(trace: ActivationTrace, *, index: TraceIndex | None = N
     return stall / ix.total_ms if ix.total_ms > 0 else 0.0
 
 
-def plain_overhead_lower_bound(
-    trace: ActivationTrace, *, index: TraceIndex | None = None
-) -> float:
+def plain_overhead_lower_bound(trace: ActivationTrace, *, index: TraceIndex | None = None) -> float:
     """The simpler bound the tighter one refines: ``max(0, max_i out_i, max_i in_i) / T``
     with ``out_i = E_i / bw_d2h - S_i`` and ``in_i = E_i / bw_h2d - (T - S_i - d_i)``.
 
@@ -155,6 +155,7 @@ def plain_overhead_lower_bound(
     for resident, start, duration in zip(ix.natural, ix.starts, ix.durations, strict=True):
         excess = resident - budget
         if excess > 0:
-            worst = max(worst, excess / bw_d2h - start,
-                        excess / bw_h2d - (total - start - duration))
+            worst = max(
+                worst, excess / bw_d2h - start, excess / bw_h2d - (total - start - duration)
+            )
     return worst / total

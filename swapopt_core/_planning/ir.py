@@ -102,29 +102,37 @@ class ActivationTrace:
     def with_limit(self, memory_limit_bytes: int | None) -> ActivationTrace:
         """The same trace under another budget."""
         return ActivationTrace(
-            self.ops, self.storage_sizes, self.retained_sids, memory_limit_bytes,
-            self.d2h_bandwidth_gbps, self.h2d_bandwidth_gbps,
+            self.ops,
+            self.storage_sizes,
+            self.retained_sids,
+            memory_limit_bytes,
+            self.d2h_bandwidth_gbps,
+            self.h2d_bandwidth_gbps,
         )
 
     def to_json(self) -> str:
         """Serialise in the schema of ``docs/formats.md``."""
-        return json.dumps({
-            "ops": [
-                {
-                    "name": op.name,
-                    "duration_ms": op.duration_ms,
-                    "accesses": [
-                        {"storage_id": a.storage_id, "kind": a.kind.value} for a in op.accesses
-                    ],
-                }
-                for op in self.ops
-            ],
-            "storage_sizes": {str(sid): size for sid, size in sorted(self.storage_sizes.items())},
-            "retained_sids": sorted(self.retained_sids),
-            "memory_limit_bytes": self.memory_limit_bytes,
-            "d2h_bandwidth_gbps": self.d2h_bandwidth_gbps,
-            "h2d_bandwidth_gbps": self.h2d_bandwidth_gbps,
-        })
+        return json.dumps(
+            {
+                "ops": [
+                    {
+                        "name": op.name,
+                        "duration_ms": op.duration_ms,
+                        "accesses": [
+                            {"storage_id": a.storage_id, "kind": a.kind.value} for a in op.accesses
+                        ],
+                    }
+                    for op in self.ops
+                ],
+                "storage_sizes": {
+                    str(sid): size for sid, size in sorted(self.storage_sizes.items())
+                },
+                "retained_sids": sorted(self.retained_sids),
+                "memory_limit_bytes": self.memory_limit_bytes,
+                "d2h_bandwidth_gbps": self.d2h_bandwidth_gbps,
+                "h2d_bandwidth_gbps": self.h2d_bandwidth_gbps,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> ActivationTrace:

@@ -47,7 +47,10 @@ from swapopt_core._planning.ir import ActionKind, ActivationTrace, ResidencySche
 __all__ = ["CopySpan", "SimulationResult", "TraceIndex", "simulate"]
 
 _D2H, _RELEASE, _H2D, _RELEASE_HOST = (
-    ActionKind.COPY_D2H, ActionKind.RELEASE_DEVICE, ActionKind.COPY_H2D, ActionKind.RELEASE_HOST
+    ActionKind.COPY_D2H,
+    ActionKind.RELEASE_DEVICE,
+    ActionKind.COPY_H2D,
+    ActionKind.RELEASE_HOST,
 )
 
 

@@ -69,8 +69,9 @@ class _Builder:
         self.next_param += 1
         return self.next_param
 
-    def op(self, name: str, reads: tuple[int, ...], writes: tuple[int, ...],
-           *, flops: float = 0.0) -> None:
+    def op(
+        self, name: str, reads: tuple[int, ...], writes: tuple[int, ...], *, flops: float = 0.0
+    ) -> None:
         """Add an op: a matmul-like one if ``flops`` is given, else memory-bound."""
         if flops:
             ms = flops / self.flop_per_ms
@@ -82,8 +83,18 @@ class _Builder:
         accesses = tuple(Access(s, k) for s, k in kinds.items())
         self.ops.append(TraceOp(name, ms + self.launch_ms, accesses))
 
-    def matmul(self, name: str, a: int, w: int, out: int, m: int, k: int, n: int,
-               *, accumulate: bool = False) -> None:
+    def matmul(
+        self,
+        name: str,
+        a: int,
+        w: int,
+        out: int,
+        m: int,
+        k: int,
+        n: int,
+        *,
+        accumulate: bool = False,
+    ) -> None:
         reads = (a, w, out) if accumulate else (a, w)
         self.op(name, reads, (out,), flops=2.0 * m * k * n)
 
@@ -192,8 +203,9 @@ def llama_training_trace(
         b.matmul(p + "o_bwd_input", dh1, w["o"], dout, t, h, h)
         b.op(p + "o_bwd_weight", (dh1, out), (b.param(),), flops=2.0 * t * h * h)
         dq, dk, dv = b.new(t * h * act), b.new(t * hkv * act), b.new(t * hkv * act)
-        b.op(p + "attention_bwd", (dout, qr, kr, vv, out, lse), (dq, dk, dv),
-             flops=2.5 * attn_flops)
+        b.op(
+            p + "attention_bwd", (dout, qr, kr, vv, out, lse), (dq, dk, dv), flops=2.5 * attn_flops
+        )
         dqr, dkr = b.new(t * h * act), b.new(t * hkv * act)
         b.op(p + "rope_bwd", (dq, dk), (dqr, dkr))
         dn1 = b.new(t * h * act)

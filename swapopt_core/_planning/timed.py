@@ -47,7 +47,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["TimedPlanner"]
 
 _D2H, _RELEASE, _H2D, _RELEASE_HOST = (
-    ActionKind.COPY_D2H, ActionKind.RELEASE_DEVICE, ActionKind.COPY_H2D, ActionKind.RELEASE_HOST
+    ActionKind.COPY_D2H,
+    ActionKind.RELEASE_DEVICE,
+    ActionKind.COPY_H2D,
+    ActionKind.RELEASE_HOST,
 )
 # Gap states during a pass.
 _WAIT, _OPEN, _OFF, _BACK = range(4)
@@ -117,7 +120,9 @@ class TimedPlanner(ResidencyPlanner):
             logger.warning(
                 "Activation budget %.1f MiB is infeasible: some op needs %.1f MiB on the device "
                 "by itself. Planning for %.1f MiB instead.",
-                budget / 2**20, floor / 2**20, floor / 2**20,
+                budget / 2**20,
+                floor / 2**20,
+                floor / 2**20,
             )
             budget = floor
         best = self._search(ix, budget)
@@ -125,12 +130,16 @@ class TimedPlanner(ResidencyPlanner):
         if check.peak_bytes > budget:
             logger.warning(
                 "Activation plan peaks at %.1f MiB over the %.1f MiB budget.",
-                check.peak_bytes / 2**20, budget / 2**20,
+                check.peak_bytes / 2**20,
+                budget / 2**20,
             )
         logger.info(
             "timed planner: %d actions, simulated peak %.1f MiB (budget %.1f MiB), "
-            "overhead %.1f %%", len(best.schedule), check.peak_bytes / 2**20,
-            budget / 2**20, 100 * check.overhead,
+            "overhead %.1f %%",
+            len(best.schedule),
+            check.peak_bytes / 2**20,
+            budget / 2**20,
+            100 * check.overhead,
         )
         return best.schedule
 
@@ -144,7 +153,9 @@ class TimedPlanner(ResidencyPlanner):
         for round_ in range(self.max_rounds):
             logger.debug(
                 "timed planner round %d: %d gaps chosen, %d ops over budget",
-                round_, len(chosen), len(result.deficits),
+                round_,
+                len(chosen),
+                len(result.deficits),
             )
             if not result.deficits:
                 break
@@ -338,8 +349,9 @@ class _Placer:
         return _Pass(sched, deficits, set(released_at), m.t)
 
     @staticmethod
-    def _reload(sched: ResidencySchedule, m: Machine, g: _Gap, i: int,
-                state: dict[int, int], back: list) -> None:
+    def _reload(
+        sched: ResidencySchedule, m: Machine, g: _Gap, i: int, state: dict[int, int], back: list
+    ) -> None:
         sched.add_pre(i, g.sid, _H2D)
         m.copy_h2d(g.sid, "")
         state[g.key] = _BACK

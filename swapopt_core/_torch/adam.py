@@ -61,8 +61,9 @@ class TorchAdamAdapter(OptimizerAdapter):
         if fused:
             _device_dtype_check_for_fused(param)
         if fused or group.get("capturable"):
-            state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused),
-                                        device=param.device)
+            state["step"] = torch.zeros(
+                (), dtype=_get_scalar_dtype(is_fused=fused), device=param.device
+            )
         else:
             state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
         for key in self.state_keys(group):

@@ -24,7 +24,6 @@ from swapopt_core._torch.state import Slot, local_tensor, wrap_like
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(eq=False)
 class _Unit:
     """One parameter taking part in a step, with its swapped slots."""
@@ -189,14 +188,18 @@ class SwapEngine(EngineBase):
     def _make_state(self, keys: tuple[str, ...], key: str, like: torch.Tensor) -> torch.Tensor:
         """The ``make`` callback adapters create lazy state with (see ``StateFactory``)."""
         local = local_tensor(like)
-        if key in keys and local.is_contiguous() and self._eligible(
-            like, local.dtype, local.numel()
+        if (
+            key in keys
+            and local.is_contiguous()
+            and self._eligible(like, local.dtype, local.numel())
         ):
             # Zeros straight into host memory: nothing is allocated on the device. Packed
             # mode needs no memory at all until the layout writes the zeros in place.
             zero = torch.zeros((), dtype=local.dtype)
-            host = zero.expand(local.shape) if self.staging.packed else self._host_copy(
+            host = (
                 zero.expand(local.shape)
+                if self.staging.packed
+                else self._host_copy(zero.expand(local.shape))
             )
             slot = Slot(like, key, host, wrap_like(host, like), local.device)
             self.slots[(id(like), key)] = slot
@@ -277,7 +280,9 @@ class SwapEngine(EngineBase):
             try:
                 h2d, d2h = run_pipeline(
                     [[s for u in b for s in u.slots] for b in batches],
-                    self.staging, self.runtime, update,
+                    self.staging,
+                    self.runtime,
+                    update,
                 )
             except BaseException:
                 self._finished.update(done)
@@ -299,13 +304,16 @@ class SwapEngine(EngineBase):
             keys = self.keys(group)
             works = []
             for unit in members:
-                work = {k: local_tensor(v) if isinstance(v, torch.Tensor) else v
-                        for k, v in opt.state[unit.param].items()}
+                work = {
+                    k: local_tensor(v) if isinstance(v, torch.Tensor) else v
+                    for k, v in opt.state[unit.param].items()
+                }
                 for slot in unit.slots:
                     work[slot.key] = views[slot]
                 works.append(work)
             self.adapter.update(
-                opt, group,
+                opt,
+                group,
                 [local_tensor(u.param) for u in members],
                 [local_tensor(u.grad) for u in members],
                 works,
@@ -375,8 +383,13 @@ class SwapEngine(EngineBase):
                         # Cast like torch's loader does, but into host memory, not the device.
                         local = local.to(device="cpu", dtype=param.dtype)
                     host = self._host_copy(local)
-                    slot = Slot(param, key, host, wrap_like(host, _layout_source(value, param)),
-                                local_tensor(param).device)
+                    slot = Slot(
+                        param,
+                        key,
+                        host,
+                        wrap_like(host, _layout_source(value, param)),
+                        local_tensor(param).device,
+                    )
                     opt.state[param][key] = slot.value
                     self.slots[(id(param), key)] = slot
         with torch.no_grad():

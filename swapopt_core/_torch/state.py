@@ -26,8 +26,12 @@ def wrap_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Give ``local`` the distributed layout of ``like`` (a no-op for plain tensors)."""
     if DTensor is not None and isinstance(like, DTensor):
         return DTensor.from_local(
-            local, like.device_mesh, like.placements, run_check=False,
-            shape=like.shape, stride=like.stride(),
+            local,
+            like.device_mesh,
+            like.placements,
+            run_check=False,
+            shape=like.shape,
+            stride=like.stride(),
         )
     return local
 

@@ -66,8 +66,12 @@ class Net(torch.nn.Module):
         torch.manual_seed(0)
         self.inp = torch.nn.Linear(64, 256)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 256),
-                                torch.nn.GELU(), torch.nn.Dropout(0.1))
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(256),
+                torch.nn.Linear(256, 256),
+                torch.nn.GELU(),
+                torch.nn.Dropout(0.1),
+            )
             for _ in range(3)
         )
         self.out = torch.nn.Linear(256, 8)
@@ -119,8 +123,9 @@ def test_grads_match_over_warmup_and_replays(
     reference, offloaded = Net(), Net()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     off_opt = torch.optim.SGD(offloaded.parameters(), lr=0.05)
-    config = OffloadConfig(max_resident_activation_mb=budget_mb, runtime="loopback",
-                           planner=planner, min_offload_kib=4)
+    config = OffloadConfig(
+        max_resident_activation_mb=budget_mb, runtime="loopback", planner=planner, min_offload_kib=4
+    )
     session = OffloadSession(config, plugin_manager=manager)
     for step, n in enumerate(rows):
         x = _batch(step, n)
@@ -146,8 +151,9 @@ def test_grads_match_over_warmup_and_replays(
 
 def test_every_action_runs_and_moves_bytes(manager) -> None:
     model = Net()
-    config = OffloadConfig(max_resident_activation_mb=0.25, runtime="loopback",
-                           planner="every-gap", min_offload_kib=0)
+    config = OffloadConfig(
+        max_resident_activation_mb=0.25, runtime="loopback", planner="every-gap", min_offload_kib=0
+    )
     session = OffloadSession(config, plugin_manager=manager)
     for step in range(2):
         model.zero_grad()  # grads accumulating into existing tensors would be other ops
@@ -160,8 +166,10 @@ def test_every_action_runs_and_moves_bytes(manager) -> None:
 
 
 def test_trace_and_schedule_round_trip_through_json(manager) -> None:
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.25, runtime="loopback",
-                                           planner="every-gap"), plugin_manager=manager)
+    session = OffloadSession(
+        OffloadConfig(max_resident_activation_mb=0.25, runtime="loopback", planner="every-gap"),
+        plugin_manager=manager,
+    )
     with session:
         _step(Net(), _batch(0), seed=0)
     trace, schedule = session.trace, session.schedule
@@ -169,16 +177,24 @@ def test_trace_and_schedule_round_trip_through_json(manager) -> None:
     assert ResidencySchedule.from_json(schedule.to_json()) == schedule
     names = [op.name for op in trace.ops]
     assert "_opaque_block.forward" in names and "_opaque_block.backward" in names
-    assert any(a.kind is AccessKind.WRITE and op.name.startswith("mul_")
-               for op in trace.ops for a in op.accesses)
+    assert any(
+        a.kind is AccessKind.WRITE and op.name.startswith("mul_")
+        for op in trace.ops
+        for a in op.accesses
+    )
     assert trace.memory_limit_bytes == int(0.25 * 2**20)
     assert trace.d2h_bandwidth_gbps > 0 and trace.h2d_bandwidth_gbps > 0
 
 
 def test_host_cap_keeps_data_on_the_device(manager) -> None:
     reference, offloaded = Net(), Net()
-    config = OffloadConfig(max_resident_activation_mb=0.1, max_offload_activation_mb=0.05,
-                           runtime="loopback", planner="every-gap", min_offload_kib=0)
+    config = OffloadConfig(
+        max_resident_activation_mb=0.1,
+        max_offload_activation_mb=0.05,
+        runtime="loopback",
+        planner="every-gap",
+        min_offload_kib=0,
+    )
     session = OffloadSession(config, plugin_manager=manager)
     for step in range(3):
         reference.zero_grad()
@@ -196,9 +212,15 @@ def test_host_cap_keeps_data_on_the_device(manager) -> None:
 
 def test_exception_inside_the_session_restores_everything(manager) -> None:
     model = Net()
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.1, runtime="loopback",
-                                           planner="every-gap", min_offload_kib=0),
-                             plugin_manager=manager)
+    session = OffloadSession(
+        OffloadConfig(
+            max_resident_activation_mb=0.1,
+            runtime="loopback",
+            planner="every-gap",
+            min_offload_kib=0,
+        ),
+        plugin_manager=manager,
+    )
     kept = None
     with pytest.raises(ValueError, match="boom"), session:
         kept = model(_batch(0))
@@ -210,10 +232,12 @@ def test_exception_inside_the_session_restores_everything(manager) -> None:
 
 
 def test_sessions_do_not_nest(manager) -> None:
-    outer = OffloadSession(OffloadConfig(runtime="loopback", planner="every-gap"),
-                           plugin_manager=manager)
-    inner = OffloadSession(OffloadConfig(runtime="loopback", planner="every-gap"),
-                           plugin_manager=manager)
+    outer = OffloadSession(
+        OffloadConfig(runtime="loopback", planner="every-gap"), plugin_manager=manager
+    )
+    inner = OffloadSession(
+        OffloadConfig(runtime="loopback", planner="every-gap"), plugin_manager=manager
+    )
     with outer, pytest.raises(RuntimeError, match="do not nest"), inner:
         pass
 
@@ -269,8 +293,9 @@ def test_replays_stay_near_the_budget_with_the_default_planner(fraction: float) 
     natural = simulate(probe.trace).natural_peak_bytes
     budget_mb = fraction * natural / 2**20
     reference, offloaded = Wide(), Wide()
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget_mb,
-                                           runtime="loopback", min_offload_kib=64))
+    session = OffloadSession(
+        OffloadConfig(max_resident_activation_mb=budget_mb, runtime="loopback", min_offload_kib=64)
+    )
     for step in range(4):
         for m in (reference, offloaded):
             m.zero_grad()
@@ -288,9 +313,15 @@ def test_replays_stay_near_the_budget_with_the_default_planner(fraction: float) 
 
 def test_a_step_with_fewer_ops_than_the_trace_keeps_the_plan_once(manager) -> None:
     model = Net()
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.25, runtime="loopback",
-                                           planner="every-gap", min_offload_kib=0),
-                             plugin_manager=manager)
+    session = OffloadSession(
+        OffloadConfig(
+            max_resident_activation_mb=0.25,
+            runtime="loopback",
+            planner="every-gap",
+            min_offload_kib=0,
+        ),
+        plugin_manager=manager,
+    )
     with session:
         _step(model, _batch(0), seed=0)
     model.zero_grad()

@@ -77,8 +77,13 @@ def test_demo_exits_1_when_params_differ(
 
 @pytest.mark.parametrize(
     "argv",
-    [[], ["demo", "--packed", "--per-tensor"], ["demo", "--steps", "0"], ["demo", "--width", "30"],
-     ["demo", "--bogus"]],
+    [
+        [],
+        ["demo", "--packed", "--per-tensor"],
+        ["demo", "--steps", "0"],
+        ["demo", "--width", "30"],
+        ["demo", "--bogus"],
+    ],
 )
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
@@ -94,7 +99,10 @@ def test_demo_refuses_cuda_without_cuda(capsys: pytest.CaptureFixture[str]) -> N
 def test_help_subprocess_lists_demo() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "swapopt_core", "--help"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert "usage: swapopt" in result.stdout
@@ -104,8 +112,16 @@ def test_help_subprocess_lists_demo() -> None:
 def test_demo_help_lists_its_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--help"]) == 0
     out = capsys.readouterr().out
-    for option in ("--steps", "--swap-times", "--packed", "--per-tensor", "--device", "--seed",
-                   "--layers", "--width"):
+    for option in (
+        "--steps",
+        "--swap-times",
+        "--packed",
+        "--per-tensor",
+        "--device",
+        "--seed",
+        "--layers",
+        "--width",
+    ):
         assert option in out
 
 
@@ -114,8 +130,9 @@ def test_batches_are_deterministic_and_learnable() -> None:
     first = make_batches(options, 5)
     assert first.shape == (5, 4, 17) and first.dtype == torch.int64
     assert torch.equal(first, make_batches(options, 5))
-    assert not torch.equal(first, make_batches(DemoOptions(batch_size=4, seq_len=16, vocab=64,
-                                                           seed=1), 5))
+    assert not torch.equal(
+        first, make_batches(DemoOptions(batch_size=4, seq_len=16, vocab=64, seed=1), 5)
+    )
     assert int(first.min()) >= 0 and int(first.max()) < 64
     # A noisy cycle: most of the time a token's successor is its usual successor.
     pairs = Counter()

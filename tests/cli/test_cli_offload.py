@@ -72,12 +72,19 @@ def test_plan_writes_a_schedule_that_fits_the_budget(
     assert "12.00 MiB" in printed and "9.00 MiB" in printed
 
 
-def test_plan_with_a_budget_above_the_peak_moves_nothing(
-    trace_file: Path, tmp_path: Path
-) -> None:
+def test_plan_with_a_budget_above_the_peak_moves_nothing(trace_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    argv = ["plan", "--trace", str(trace_file), "--budget-mb", "64", "--out", str(out),
-            "--planner", "timed"]
+    argv = [
+        "plan",
+        "--trace",
+        str(trace_file),
+        "--budget-mb",
+        "64",
+        "--out",
+        str(out),
+        "--planner",
+        "timed",
+    ]
     assert main(argv) == 0
     schedule = ResidencySchedule.from_json(out.read_text())
     assert simulate(small_trace(), schedule).d2h_bytes == 0
@@ -90,8 +97,10 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_plan_refuses_a_missing_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.json"
-    err = _usage_error(["plan", "--trace", str(missing), "--budget-mb", "9",
-                       "--out", str(tmp_path / "p.json")], capsys)
+    err = _usage_error(
+        ["plan", "--trace", str(missing), "--budget-mb", "9", "--out", str(tmp_path / "p.json")],
+        capsys,
+    )
     assert f"--trace {missing}: no such file" in err
     assert not (tmp_path / "p.json").exists()
 
@@ -110,8 +119,9 @@ def test_plan_refuses_a_file_that_is_not_a_trace(
 ) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(content)
-    err = _usage_error(["plan", "--trace", str(bad), "--budget-mb", "9",
-                       "--out", str(tmp_path / "p.json")], capsys)
+    err = _usage_error(
+        ["plan", "--trace", str(bad), "--budget-mb", "9", "--out", str(tmp_path / "p.json")], capsys
+    )
     assert f"--trace {bad}: not an activation trace" in err
     assert expected in err
     assert "ActivationTrace.to_json()" in err  # the fix
@@ -120,16 +130,38 @@ def test_plan_refuses_a_file_that_is_not_a_trace(
 def test_plan_refuses_a_negative_budget(
     trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    err = _usage_error(["plan", "--trace", str(trace_file), "--budget-mb", "-5",
-                       "--out", str(tmp_path / "p.json")], capsys)
+    err = _usage_error(
+        [
+            "plan",
+            "--trace",
+            str(trace_file),
+            "--budget-mb",
+            "-5",
+            "--out",
+            str(tmp_path / "p.json"),
+        ],
+        capsys,
+    )
     assert "--budget-mb -5" in err and ">= 0" in err
 
 
 def test_plan_refuses_an_unknown_planner(
     trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    err = _usage_error(["plan", "--trace", str(trace_file), "--budget-mb", "9",
-                       "--out", str(tmp_path / "p.json"), "--planner", "psychic"], capsys)
+    err = _usage_error(
+        [
+            "plan",
+            "--trace",
+            str(trace_file),
+            "--budget-mb",
+            "9",
+            "--out",
+            str(tmp_path / "p.json"),
+            "--planner",
+            "psychic",
+        ],
+        capsys,
+    )
     assert "--planner psychic" in err
     assert "timed" in err  # the choices
 
@@ -138,8 +170,9 @@ def test_plan_refuses_an_output_in_a_missing_folder(
     trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "no" / "such" / "p.json"
-    err = _usage_error(["plan", "--trace", str(trace_file), "--budget-mb", "9",
-                       "--out", str(out)], capsys)
+    err = _usage_error(
+        ["plan", "--trace", str(trace_file), "--budget-mb", "9", "--out", str(out)], capsys
+    )
     assert f"--out {out}" in err and "does not exist" in err
 
 
@@ -166,8 +199,9 @@ def test_plot_draws_a_written_schedule(trace_file: Path, tmp_path: Path) -> None
     pytest.importorskip("matplotlib")
     plan, out = tmp_path / "plan.json", tmp_path / "timeline.png"
     assert main(["plan", "--trace", str(trace_file), "--budget-mb", "9", "--out", str(plan)]) == 0
-    assert main(["plot", "--trace", str(trace_file), "--schedule", str(plan),
-                 "--out", str(out)]) == 0
+    assert (
+        main(["plot", "--trace", str(trace_file), "--schedule", str(plan), "--out", str(out)]) == 0
+    )
     _assert_png(out)
 
 
@@ -178,8 +212,9 @@ def test_plot_refuses_a_schedule_of_another_trace(
     plan = tmp_path / "plan.json"
     plan.write_text('{"post": {"7": [{"storage_id": 1, "kind": "COPY_D2H"}]}}')
     out = tmp_path / "timeline.png"
-    err = _usage_error(["plot", "--trace", str(trace_file), "--schedule", str(plan),
-                       "--out", str(out)], capsys)
+    err = _usage_error(
+        ["plot", "--trace", str(trace_file), "--schedule", str(plan), "--out", str(out)], capsys
+    )
     assert f"--schedule {plan}: does not fit this trace" in err
     assert not out.exists()
 
@@ -187,8 +222,9 @@ def test_plot_refuses_a_schedule_of_another_trace(
 def test_plot_needs_a_schedule_or_a_budget(
     trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    err = _usage_error(["plot", "--trace", str(trace_file), "--out", str(tmp_path / "t.png")],
-                      capsys)
+    err = _usage_error(
+        ["plot", "--trace", str(trace_file), "--out", str(tmp_path / "t.png")], capsys
+    )
     assert "--schedule" in err and "--budget-mb" in err
 
 
@@ -196,8 +232,22 @@ def test_plot_draws_a_schedule_against_a_given_budget(trace_file: Path, tmp_path
     pytest.importorskip("matplotlib")
     plan, out = tmp_path / "plan.json", tmp_path / "timeline.png"
     assert main(["plan", "--trace", str(trace_file), "--budget-mb", "9", "--out", str(plan)]) == 0
-    assert main(["plot", "--trace", str(trace_file), "--schedule", str(plan),
-                 "--budget-mb", "9", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plot",
+                "--trace",
+                str(trace_file),
+                "--schedule",
+                str(plan),
+                "--budget-mb",
+                "9",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     _assert_png(out)
 
 
@@ -206,8 +256,20 @@ def test_plot_refuses_a_planner_with_a_schedule(
 ) -> None:
     plan = tmp_path / "plan.json"
     plan.write_text("{}")
-    err = _usage_error(["plot", "--trace", str(trace_file), "--schedule", str(plan),
-                       "--planner", "timed", "--out", str(tmp_path / "t.png")], capsys)
+    err = _usage_error(
+        [
+            "plot",
+            "--trace",
+            str(trace_file),
+            "--schedule",
+            str(plan),
+            "--planner",
+            "timed",
+            "--out",
+            str(tmp_path / "t.png"),
+        ],
+        capsys,
+    )
     assert "--planner timed" in err and "--budget-mb" in err
 
 
@@ -228,6 +290,7 @@ def test_plot_refuses_an_image_name_without_a_known_format(
     trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "timeline.bmpx"
-    err = _usage_error(["plot", "--trace", str(trace_file), "--budget-mb", "9",
-                        "--out", str(out)], capsys)
+    err = _usage_error(
+        ["plot", "--trace", str(trace_file), "--budget-mb", "9", "--out", str(out)], capsys
+    )
     assert f"--out {out}" in err and ".png" in err

@@ -13,7 +13,9 @@ def test_defaults_match_the_design() -> None:
     config = SwapOptimizerConfig()
     assert (config.swap_times, config.state_keys, config.min_numel) == (16, None, 1024)
     assert (config.include_master_params, config.packed_swap, config.runtime) == (
-        False, None, "auto"
+        False,
+        None,
+        "auto",
     )
 
 

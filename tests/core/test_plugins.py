@@ -48,10 +48,17 @@ class SgdMomentumAdapter(OptimizerAdapter):
     ) -> None:
         buffers = [s.get("momentum_buffer") for s in states]
         sgd(
-            list(params), list(grads), buffers,
-            weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
-            dampening=group["dampening"], nesterov=group["nesterov"],
-            maximize=group["maximize"], foreach=group["foreach"], fused=group["fused"],
+            list(params),
+            list(grads),
+            buffers,
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            fused=group["fused"],
         )
         if group["momentum"]:
             for state, buffer in zip(states, buffers, strict=True):
@@ -98,7 +105,10 @@ def test_builtins_are_registered_as_plugins(plugin_manager: pluggy.PluginManager
         for r in batch
     ]
     assert sorted(runtimes) == [
-        ("mindspore", "ascend"), ("mindspore", "loopback"), ("torch", "cuda"), ("torch", "loopback")
+        ("mindspore", "ascend"),
+        ("mindspore", "loopback"),
+        ("torch", "cuda"),
+        ("torch", "loopback"),
     ]
 
 
@@ -111,11 +121,14 @@ def test_every_hook_is_prefixed_and_documented() -> None:
 
 
 @pytest.mark.parametrize("packed", [True, False])
-@pytest.mark.parametrize("options", [
-    {"momentum": 0.9},
-    {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
-    {"momentum": 0.8, "nesterov": True},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"momentum": 0.9},
+        {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+        {"momentum": 0.8, "nesterov": True},
+    ],
+)
 def test_plugin_adds_sgd_momentum_swapped_bit_exactly(
     plugin_manager: pluggy.PluginManager, packed: bool, options: dict
 ) -> None:
@@ -210,12 +223,18 @@ def test_observers_see_install_steps_and_uninstall(plugin_manager: pluggy.Plugin
     plugin_manager.register(observer)
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
-    swap_optimizer(opt, SwapOptimizerConfig(swap_times=2, runtime="loopback"),
-                   plugin_manager=plugin_manager)
+    swap_optimizer(
+        opt, SwapOptimizerConfig(swap_times=2, runtime="loopback"), plugin_manager=plugin_manager
+    )
     _train(model, opt, 3)
     swapopt_core.unswap_optimizer(opt)
-    assert observer.events == [("install", 2), ("step", 1), ("step", 2), ("step", 3),
-                               ("uninstall", 0)]
+    assert observer.events == [
+        ("install", 2),
+        ("step", 1),
+        ("step", 2),
+        ("step", 3),
+        ("uninstall", 0),
+    ]
 
 
 def test_unknown_hook_name_is_rejected(plugin_manager: pluggy.PluginManager) -> None:

@@ -159,16 +159,20 @@ def test_state_lives_in_host_memory_between_steps():
         assert slot.state.data_ptr() == slot.host.data_ptr()
     stats = swap_stats(opt)
     assert stats.resident_state_bytes == 0
-    assert stats.host_state_bytes == stats.total_state_bytes == 2 * sum(
-        int(np.prod(s)) * 4 for s in SHAPES
+    assert (
+        stats.host_state_bytes
+        == stats.total_state_bytes
+        == 2 * sum(int(np.prod(s)) * 4 for s in SHAPES)
     )
     assert stats.pinned_host_bytes == stats.total_state_bytes
 
 
 def test_peak_follows_swap_times_for_equal_layers():
     rng = np.random.default_rng(3)
-    params = [Parameter(Tensor(rng.standard_normal((32, 32)).astype(np.float32)), name=f"w{i}")
-              for i in range(16)]
+    params = [
+        Parameter(Tensor(rng.standard_normal((32, 32)).astype(np.float32)), name=f"w{i}")
+        for i in range(16)
+    ]
     for packed in (False, True):
         opt = nn.Adam(params, learning_rate=1e-3)
         swap_optimizer(opt, config(swap_times=8, packed_swap=packed))
@@ -228,8 +232,7 @@ def test_a_load_without_offload_is_taken_back_at_the_next_step(tmp_path):
         ref(grads_for(step, params))
         opt(grads_for(step, params))
     assert_same(ref_params, params, ref, opt)
-    assert all(s.state.data_ptr() == s.host.data_ptr()
-               for s in opt._swapopt_engine.slots.values())
+    assert all(s.state.data_ptr() == s.host.data_ptr() for s in opt._swapopt_engine.slots.values())
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
@@ -299,18 +302,30 @@ class MixedPrecisionAdamW:
         class _MixedPrecision(base):
             def __init__(self, params, **kwargs):
                 super().__init__(params, **kwargs)
-                self.fp32_params = ParameterTuple([
-                    Parameter(Tensor(p.asnumpy().astype(np.float32)), name=f"master.{p.name}")
-                    for p in self._parameters
-                ])
+                self.fp32_params = ParameterTuple(
+                    [
+                        Parameter(Tensor(p.asnumpy().astype(np.float32)), name=f"master.{p.name}")
+                        for p in self._parameters
+                    ]
+                )
 
             def construct(self, gradients):
                 weight_decay, lr = self.get_weight_decay(), self.get_lr()
                 F.assign_add(self.global_step, self.global_step_increase_tensor)
                 for i, param in enumerate(self._parameters):
-                    _adamw_opt(self.beta1, self.beta2, self.eps, self.global_step, lr,
-                               weight_decay, self.fp32_params[i], gradients[i],
-                               self.exp_avg[i], self.exp_avg_sq[i], self.optim_filter[i])
+                    _adamw_opt(
+                        self.beta1,
+                        self.beta2,
+                        self.eps,
+                        self.global_step,
+                        lr,
+                        weight_decay,
+                        self.fp32_params[i],
+                        gradients[i],
+                        self.exp_avg[i],
+                        self.exp_avg_sq[i],
+                        self.optim_filter[i],
+                    )
                     F.assign(param, F.cast(self.fp32_params[i], F.dtype(param)))
                 return True
 
@@ -395,8 +410,7 @@ def test_auto_on_cpu_parameters_installs_nothing_and_says_so(monkeypatch):
         warnings.simplefilter("always")
         assert swap_optimizer(opt, SwapOptimizerConfig()) is opt
     assert not is_swap_optimizer(opt)
-    assert any(issubclass(w.category, SwapOptWarning) and "CPU" in str(w.message)
-               for w in caught)
+    assert any(issubclass(w.category, SwapOptWarning) and "CPU" in str(w.message) for w in caught)
 
 
 def _train(swap: SwapOptimizerConfig | None, steps: int = 6) -> tuple[list[np.ndarray], object]:
@@ -408,8 +422,10 @@ def _train(swap: SwapOptimizerConfig | None, steps: int = 6) -> tuple[list[np.nd
     step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
     rng = np.random.default_rng(0)
     for _ in range(steps):
-        step(Tensor(rng.standard_normal((8, 32)).astype(np.float32)),
-             Tensor(rng.standard_normal((8, 4)).astype(np.float32)))
+        step(
+            Tensor(rng.standard_normal((8, 32)).astype(np.float32)),
+            Tensor(rng.standard_normal((8, 4)).astype(np.float32)),
+        )
     return [p.asnumpy() for p in net.trainable_params()], opt
 
 
@@ -423,7 +439,9 @@ def test_train_one_step_cell_drives_the_swapped_optimizer():
 def test_the_ascend_runtime_warns_it_is_unverified_and_refuses_packed(monkeypatch):
     monkeypatch.setattr("swapopt_core._mindspore.runtime._warned_unverified", False)
     opt = nn.Adam(make_params())
-    with pytest.warns(SwapOptWarning, match="not been run on an Ascend device"), \
-            pytest.raises(SwapOptError, match="packed_swap=True needs device views"):
+    with (
+        pytest.warns(SwapOptWarning, match="not been run on an Ascend device"),
+        pytest.raises(SwapOptError, match="packed_swap=True needs device views"),
+    ):
         swap_optimizer(opt, config(runtime="ascend", packed_swap=True))
     assert not is_swap_optimizer(opt)

@@ -31,10 +31,14 @@ MB = 10**6
 def make_trace(ops, sizes, *, retained=(), limit=None, bw=1.0) -> ActivationTrace:
     """``ops``: one ``{sid: "R" | "W"}`` per op, 1 ms each; copies at 10**6 bytes per ms."""
     built = tuple(
-        TraceOp(f"op{i}", 1.0, tuple(
-            Access(sid, AccessKind.READ if kind == "R" else AccessKind.WRITE)
-            for sid, kind in op.items()
-        ))
+        TraceOp(
+            f"op{i}",
+            1.0,
+            tuple(
+                Access(sid, AccessKind.READ if kind == "R" else AccessKind.WRITE)
+                for sid, kind in op.items()
+            ),
+        )
         for i, op in enumerate(ops)
     )
     return ActivationTrace(built, sizes, frozenset(retained), limit, bw, bw)
@@ -90,8 +94,11 @@ def test_no_budget_or_a_fitting_budget_costs_nothing():
 
 
 def test_feasibility_is_the_largest_working_set_plus_kept_outputs():
-    trace = make_trace([{1: "W"}, {1: "R", 2: "W"}, {3: "W"}, {3: "R", 1: "R"}],
-                       {1: MB, 2: 2 * MB, 3: MB}, retained={2})
+    trace = make_trace(
+        [{1: "W"}, {1: "R", 2: "W"}, {3: "W"}, {3: "R", 1: "R"}],
+        {1: MB, 2: 2 * MB, 3: MB},
+        retained={2},
+    )
     assert min_feasible_budget(trace) == 4 * MB  # op 3 touches 1 and 3; 2 is kept
     assert feasible(trace.with_limit(4 * MB)) and feasible(trace.with_limit(None))
     assert not feasible(trace.with_limit(4 * MB - 1))
@@ -111,8 +118,11 @@ def reference_stall(trace: ActivationTrace) -> float:
         excess = ix.natural[i] - budget
         touched = {sid for sid, _ in ix.accesses[i]}
         movable = [
-            sid for sid in sizes
-            if sid in ix.first and ix.first[sid] < i and sid not in touched
+            sid
+            for sid in sizes
+            if sid in ix.first
+            and ix.first[sid] < i
+            and sid not in touched
             and any(op > i for op, _ in ix.by_storage[sid])
         ]
         if excess <= 0:
@@ -130,15 +140,12 @@ def reference_stall(trace: ActivationTrace) -> float:
         back = []
         for r in range(i + 1, ix.n):
             later = sum(
-                sizes[s] for s in movable
-                if min(op for op, _ in ix.by_storage[s] if op > i) > r
+                sizes[s] for s in movable if min(op for op, _ in ix.by_storage[s] if op > i) > r
             )
             back.append((excess - later) / bw_in - (ix.starts[r] - end_i))
         outs.append(max(0.0, out))
         ins.append(max(0.0, *back))
-    return max(
-        (max(outs[: j + 1]) + ins[j] for j in range(ix.n)), default=0.0
-    )
+    return max((max(outs[: j + 1]) + ins[j] for j in range(ix.n)), default=0.0)
 
 
 def random_trace(rng: random.Random, n_ops: int, n_storages: int) -> ActivationTrace:
@@ -148,18 +155,24 @@ def random_trace(rng: random.Random, n_ops: int, n_storages: int) -> ActivationT
         created = rng.randrange(n_ops - 1)
         sizes[sid] = rng.randint(1, 8) * MB // 4
         ops[created][sid] = "W"
-        for op in rng.sample(range(created + 1, n_ops), min(rng.randint(0, 3),
-                                                             n_ops - created - 1)):
+        for op in rng.sample(
+            range(created + 1, n_ops), min(rng.randint(0, 3), n_ops - created - 1)
+        ):
             ops[op][sid] = rng.choice("RRRW")
     built = tuple(
-        TraceOp(f"op{i}", rng.choice([0.0, rng.uniform(0.05, 2.0)]), tuple(
-            Access(s, AccessKind.READ if k == "R" else AccessKind.WRITE) for s, k in op.items()
-        ))
+        TraceOp(
+            f"op{i}",
+            rng.choice([0.0, rng.uniform(0.05, 2.0)]),
+            tuple(
+                Access(s, AccessKind.READ if k == "R" else AccessKind.WRITE) for s, k in op.items()
+            ),
+        )
         for i, op in enumerate(ops)
     )
     retained = frozenset(rng.sample(range(n_storages), min(2, n_storages)))
-    return ActivationTrace(built, sizes, retained, None, rng.uniform(0.2, 4.0),
-                           rng.uniform(0.2, 4.0))
+    return ActivationTrace(
+        built, sizes, retained, None, rng.uniform(0.2, 4.0), rng.uniform(0.2, 4.0)
+    )
 
 
 def random_schedule(rng: random.Random, trace: ActivationTrace) -> ResidencySchedule:

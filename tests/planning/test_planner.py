@@ -28,17 +28,24 @@ from swapopt_core._plugins import new_plugin_manager, residency_planners
 
 MB = 10**6
 D2H, RELEASE, H2D, RELEASE_HOST = (
-    ActionKind.COPY_D2H, ActionKind.RELEASE_DEVICE, ActionKind.COPY_H2D, ActionKind.RELEASE_HOST
+    ActionKind.COPY_D2H,
+    ActionKind.RELEASE_DEVICE,
+    ActionKind.COPY_H2D,
+    ActionKind.RELEASE_HOST,
 )
 
 
 def make_trace(ops, sizes, *, retained=(), limit=None, bw=1.0) -> ActivationTrace:
     """``ops``: one ``{sid: "R" | "W"}`` per op, 1 ms each; copies at 10**6 bytes per ms."""
     built = tuple(
-        TraceOp(f"op{i}", 1.0, tuple(
-            Access(sid, AccessKind.READ if kind == "R" else AccessKind.WRITE)
-            for sid, kind in op.items()
-        ))
+        TraceOp(
+            f"op{i}",
+            1.0,
+            tuple(
+                Access(sid, AccessKind.READ if kind == "R" else AccessKind.WRITE)
+                for sid, kind in op.items()
+            ),
+        )
         for i, op in enumerate(ops)
     )
     return ActivationTrace(built, sizes, frozenset(retained), limit, bw, bw)
@@ -69,7 +76,8 @@ def check(trace: ActivationTrace, plan: ResidencySchedule, budget: int | None = 
 
 # Storage 1 lives from op 0 to op 7; storage 2 (ops 2-4) makes the budget bind.
 LONG = make_trace(
-    [{1: "W"}, {}, {2: "W"}, {2: "R"}, {2: "R"}, {}, {}, {1: "R"}, {}], {1: MB, 2: MB},
+    [{1: "W"}, {}, {2: "W"}, {2: "R"}, {2: "R"}, {}, {}, {1: "R"}, {}],
+    {1: MB, 2: MB},
     limit=MB,
 )
 
@@ -83,8 +91,8 @@ def test_a_long_gap_is_offloaded_out_of_the_way():
     plan = TimedPlanner(min_bytes=0).plan(LONG)
     where = placed(plan)
     assert where[(1, D2H)] == [("post", 0)]  # right after the write
-    (side, release), = where[(1, RELEASE)]
-    (h2d_side, reload), = where[(1, H2D)]
+    ((side, release),) = where[(1, RELEASE)]
+    ((h2d_side, reload),) = where[(1, H2D)]
     assert side == h2d_side == "pre"
     assert 1 <= release <= 2 and 5 <= reload <= 7  # away while storage 2 lives
     assert where[(1, RELEASE_HOST)] == [("post", 7)]  # after its reader
@@ -171,12 +179,18 @@ def test_random_traces_stay_within_budget(seed):
             count = min(rng.randint(0, 4), n_ops - created - 1)
             for op in rng.sample(range(created + 1, n_ops), count):
                 ops[op][sid] = rng.choice("RRRW")
-        trace = make_trace(ops, sizes, retained=rng.sample(range(n_storages), 1),
-                           bw=rng.uniform(1, 50))
+        trace = make_trace(
+            ops, sizes, retained=rng.sample(range(n_storages), 1), bw=rng.uniform(1, 50)
+        )
         trace = ActivationTrace(
-            tuple(TraceOp(op.name, rng.choice([0.0, rng.uniform(0.01, 3.0)]), op.accesses)
-                  for op in trace.ops),
-            trace.storage_sizes, trace.retained_sids, None, trace.d2h_bandwidth_gbps,
+            tuple(
+                TraceOp(op.name, rng.choice([0.0, rng.uniform(0.01, 3.0)]), op.accesses)
+                for op in trace.ops
+            ),
+            trace.storage_sizes,
+            trace.retained_sids,
+            None,
+            trace.d2h_bandwidth_gbps,
             rng.uniform(1, 50),
         )
         peak = TraceIndex(trace).natural_peak

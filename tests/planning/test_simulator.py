@@ -21,7 +21,10 @@ from swapopt_core._planning.simulate import CopySpan, simulate
 MB = 10**6
 R, W = AccessKind.READ, AccessKind.WRITE
 D2H, RELEASE, H2D, RELEASE_HOST = (
-    ActionKind.COPY_D2H, ActionKind.RELEASE_DEVICE, ActionKind.COPY_H2D, ActionKind.RELEASE_HOST
+    ActionKind.COPY_D2H,
+    ActionKind.RELEASE_DEVICE,
+    ActionKind.COPY_H2D,
+    ActionKind.RELEASE_HOST,
 )
 
 
@@ -109,9 +112,7 @@ def test_one_stream_per_direction_serialises_copies():
 
 def test_directions_overlap_each_other():
     # Storage 1 goes out while storage 2 comes back: both links busy at once.
-    trace = make_trace(
-        [{1: "W", 2: "W"}, {}, {}, {}, {1: "R"}, {2: "R"}], {1: MB, 2: MB}
-    )
+    trace = make_trace([{1: "W", 2: "W"}, {}, {}, {}, {1: "R"}, {2: "R"}], {1: MB, 2: MB})
     plan = schedule(
         pre=[(2, 2, RELEASE), (3, 2, H2D), (4, 1, H2D)],
         post=[(0, 2, D2H), (2, 1, D2H), (2, 1, RELEASE)],
@@ -174,8 +175,7 @@ def test_host_bytes_follow_copies_and_frees():
 
 
 def test_retained_storages_are_not_freed_and_params_do_not_count():
-    trace = make_trace([{1: "W", 100: "R"}, {1: "R", 2: "W"}, {}], {1: MB, 2: 3 * MB},
-                       retained={2})
+    trace = make_trace([{1: "W", 100: "R"}, {1: "R", 2: "W"}, {}], {1: MB, 2: 3 * MB}, retained={2})
     result = simulate(trace)
     assert result.peak_bytes == 4 * MB
     assert result.timeline[-1] == (2.0, 3 * MB)  # storage 1 freed after op 1, 2 kept

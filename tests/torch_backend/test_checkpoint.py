@@ -378,7 +378,8 @@ def test_user_load_state_dict_post_hook_sees_the_loaded_state(when, packed):
     def record(opt):
         seen[kind] = [
             {k: v.clone() for k, v in opt.state.get(p, {}).items()}
-            for g in opt.param_groups for p in g["params"]
+            for g in opt.param_groups
+            for p in g["params"]
         ]
 
     for kind in ("plain", "swapped"):

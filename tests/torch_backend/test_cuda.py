@@ -64,13 +64,15 @@ def test_cuda_activation_offload_is_bit_exact_and_within_budget() -> None:
 
     def net() -> torch.nn.Module:
         torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 1024),
-                                                         torch.nn.GELU()) for _ in range(8)]).cuda()
+        return torch.nn.Sequential(
+            *[torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU()) for _ in range(8)]
+        ).cuda()
 
     reference, offloaded = net(), net()
     x = torch.randn(4096, 1024, device="cuda")
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=96, runtime="cuda",
-                                           min_offload_kib=64))
+    session = OffloadSession(
+        OffloadConfig(max_resident_activation_mb=96, runtime="cuda", min_offload_kib=64)
+    )
     for step in range(4):
         for model in (reference, offloaded):
             model.zero_grad()

@@ -43,7 +43,10 @@ FLAGS = {
     "foreach_amsgrad_wd": {"foreach": True, "amsgrad": True, "weight_decay": 0.1},
     "fused": {"fused": True},
     "fused_amsgrad_wd_maximize": {
-        "fused": True, "amsgrad": True, "weight_decay": 0.1, "maximize": True,
+        "fused": True,
+        "amsgrad": True,
+        "weight_decay": 0.1,
+        "maximize": True,
     },
     "fused_lr_tensor": {"fused": True, "lr": torch.tensor(0.02)},
 }
@@ -58,15 +61,26 @@ def expected_swapped(opt: torch.optim.Optimizer, min_numel: int, keys=None) -> i
             state = opt.state.get(p)
             if state:
                 count += sum(
-                    1 for k in group_keys
+                    1
+                    for k in group_keys
                     if (keys is None or k in keys) and state[k].numel() >= min_numel
                 )
     return count
 
 
 def lockstep(
-    ma, oa, mb, ob, steps: int = 10, *, start: int = 0, min_numel: int | None = None,
-    keys=None, sched_a=None, sched_b=None, **train_kwargs,
+    ma,
+    oa,
+    mb,
+    ob,
+    steps: int = 10,
+    *,
+    start: int = 0,
+    min_numel: int | None = None,
+    keys=None,
+    sched_a=None,
+    sched_b=None,
+    **train_kwargs,
 ) -> None:
     """Step both copies one step at a time and compare everything after each step."""
     for step in range(start, start + steps):
@@ -83,8 +97,12 @@ def lockstep(
 
 
 # AdamW always decouples weight decay and does not take the flag.
-CASES = [(name, flag) for name in OPTIMIZERS for flag in FLAGS
-         if not (name == "AdamW" and "decoupled_weight_decay" in FLAGS[flag])]
+CASES = [
+    (name, flag)
+    for name in OPTIMIZERS
+    for flag in FLAGS
+    if not (name == "AdamW" and "decoupled_weight_decay" in FLAGS[flag])
+]
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
@@ -144,8 +162,12 @@ def test_param_groups_with_different_hyperparameters(make_pair, name, packed):
             [
                 {"params": [m.fc1.weight, m.fc1.bias], "lr": 0.02, "weight_decay": 0.0},
                 {"params": [m.fc2.weight, m.odd.weight], "betas": (0.7, 0.9), "amsgrad": True},
-                {"params": [m.fc2.bias, m.fc3.weight, m.fc3.bias, m.tiny], "weight_decay": 0.3,
-                 "maximize": False, "eps": 1e-4},
+                {
+                    "params": [m.fc2.bias, m.fc3.weight, m.fc3.bias, m.tiny],
+                    "weight_decay": 0.3,
+                    "maximize": False,
+                    "eps": 1e-4,
+                },
                 {"params": [m.unused, *m.frozen.parameters()], "lr": 0.5},
             ],
             lr=0.01,
@@ -189,7 +211,8 @@ def test_param_groups_of_different_dtypes(other, flags, packed):
     def make_opt(m):
         return torch.optim.Adam(
             [{"params": m.a.parameters()}, {"params": m.b.parameters(), "lr": 0.03}],
-            lr=0.01, **flags,
+            lr=0.01,
+            **flags,
         )
 
     oa, ob = make_opt(ma), make_opt(mb)
@@ -241,9 +264,7 @@ def test_param_whose_grad_starts_later(make_pair, packed):
 SCHEDULERS = {
     "StepLR": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
     "CosineAnnealingLR": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
-    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=0.05, total_steps=12
-    ),
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=12),
 }
 
 
@@ -275,12 +296,12 @@ def test_lr_schedulers(sched, when, packed):
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
-@pytest.mark.parametrize("flags", [{}, {"foreach": True}, {"fused": True}],
-                         ids=["for_loop", "foreach", "fused"])
+@pytest.mark.parametrize(
+    "flags", [{}, {"foreach": True}, {"fused": True}], ids=["for_loop", "foreach", "fused"]
+)
 def test_gradient_clipping(make_pair, flags, packed):
     config = loopback(swap_times=3, min_numel=0, packed_swap=packed)
-    ma, oa, mb, ob = make_pair(lambda m: torch.optim.Adam(m.parameters(), lr=0.01, **flags),
-                               config)
+    ma, oa, mb, ob = make_pair(lambda m: torch.optim.Adam(m.parameters(), lr=0.01, **flags), config)
     lockstep(ma, oa, mb, ob, 10, min_numel=0, clip=0.05)
 
 
@@ -394,8 +415,9 @@ def test_unusual_parameter_layouts(flags, packed):
         for ps, opt in ((pa, oa), (pb, ob)):
             gen = torch.Generator().manual_seed(step)
             opt.zero_grad()
-            loss = sum((p.abs() ** 2 * torch.rand(p.shape, generator=gen)).sum()
-                       for p in ps.values())
+            loss = sum(
+                (p.abs() ** 2 * torch.rand(p.shape, generator=gen)).sum() for p in ps.values()
+            )
             loss.backward()
             opt.step()
         assert_nothing_resident(ob)

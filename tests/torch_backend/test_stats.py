@@ -119,9 +119,7 @@ def test_packed_entries_are_pieces_of_one_buffer_that_save_on_their_own() -> Non
     swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback", packed_swap=True))
     _step(model, opt)
     entries = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
-    spans = sorted(
-        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in entries
-    )
+    spans = sorted((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in entries)
     # One contiguous host buffer, carved into one storage per entry (each at offset 0).
     assert all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
     assert all(t.storage_offset() == 0 for t in entries)

@@ -50,7 +50,8 @@ def snapshot(model, opt):
     params = [p.detach().clone() for p in model.parameters()]
     state = [
         {k: v.clone() for k, v in opt.state.get(p, {}).items()}
-        for g in opt.param_groups for p in g["params"]
+        for g in opt.param_groups
+        for p in g["params"]
     ]
     return params, state
 
@@ -74,12 +75,14 @@ INF_STEP = 4
 
 @PACKED
 @pytest.mark.parametrize("clip", [False, True], ids=["no_clip", "unscale_and_clip"])
-@pytest.mark.parametrize("flags", [{}, {"fused": True}, {"foreach": True, "amsgrad": True}],
-                         ids=["for_loop", "fused", "foreach_amsgrad"])
+@pytest.mark.parametrize(
+    "flags",
+    [{}, {"fused": True}, {"foreach": True, "amsgrad": True}],
+    ids=["for_loop", "fused", "foreach_amsgrad"],
+)
 def test_grad_scaler_skips_the_inf_step(flags, clip, packed):
     ma, oa, mb, ob = pair(flags, loopback(swap_times=3, min_numel=0, packed_swap=packed))
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
-               for _ in range(2)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3) for _ in range(2)]
     for step in range(12):
         for model, opt, scaler in ((ma, oa, scalers[0]), (mb, ob, scalers[1])):
             opt.zero_grad()
@@ -120,13 +123,15 @@ class Recorder:
         assert optimizer is self.opt
         state = optimizer.state.get(self.model.fc1.weight, {})
         exp_avg = state.get("exp_avg")
-        self.seen.append((
-            self.model.fc1.weight.detach().clone(),
-            None if exp_avg is None else exp_avg.clone(),
-            len(args),
-            sorted(kwargs),
-            args[0] is optimizer,
-        ))
+        self.seen.append(
+            (
+                self.model.fc1.weight.detach().clone(),
+                None if exp_avg is None else exp_avg.clone(),
+                len(args),
+                sorted(kwargs),
+                args[0] is optimizer,
+            )
+        )
 
 
 def assert_same_records(plain: Recorder, swapped: Recorder) -> None:
@@ -203,8 +208,10 @@ def test_global_step_hooks_see_the_right_values(packed):
 
         return hook
 
-    handles = [register_optimizer_step_pre_hook(record("pre")),
-               register_optimizer_step_post_hook(record("post"))]
+    handles = [
+        register_optimizer_step_pre_hook(record("pre")),
+        register_optimizer_step_post_hook(record("post")),
+    ]
     try:
         for step in range(10):
             train(ma, oa, 1, start=step)
@@ -225,8 +232,9 @@ def test_global_step_hooks_see_the_right_values(packed):
 
 
 @PACKED
-@pytest.mark.parametrize("flags", [{}, {"foreach": True}, {"fused": True}],
-                         ids=["for_loop", "foreach", "fused"])
+@pytest.mark.parametrize(
+    "flags", [{}, {"foreach": True}, {"fused": True}], ids=["for_loop", "foreach", "fused"]
+)
 def test_zero_grad_without_set_to_none(flags, packed):
     """Zeroed (not None) gradients still take part in the step, as in torch."""
     ma, oa, mb, ob = pair(flags, loopback(swap_times=3, min_numel=0, packed_swap=packed))
@@ -248,8 +256,9 @@ def test_zero_grad_without_set_to_none(flags, packed):
 
 @PACKED
 def test_state_dict_pickles_and_deepcopies(packed):
-    ma, oa, mb, ob = pair({"amsgrad": True}, loopback(swap_times=3, min_numel=0,
-                                                      packed_swap=packed))
+    ma, oa, mb, ob = pair(
+        {"amsgrad": True}, loopback(swap_times=3, min_numel=0, packed_swap=packed)
+    )
     train(ma, oa, 5)
     train(mb, ob, 5)
     sd_a = oa.state_dict()
@@ -284,8 +293,9 @@ def test_state_dict_pickles_and_deepcopies(packed):
 def test_deepcopy_of_a_swapped_optimizer(packed):
     """``copy.deepcopy`` of model and optimizer together gives an independent optimizer that
     trains like the plain one; the original keeps its swap."""
-    ma, oa, mb, ob = pair({"amsgrad": True}, loopback(swap_times=3, min_numel=0,
-                                                      packed_swap=packed))
+    ma, oa, mb, ob = pair(
+        {"amsgrad": True}, loopback(swap_times=3, min_numel=0, packed_swap=packed)
+    )
     train(ma, oa, 5)
     train(mb, ob, 5)
     mc, oc = copy.deepcopy((mb, ob))
@@ -324,15 +334,21 @@ def test_installing_twice_with_the_same_config_is_a_no_op(packed):
     train(ma, oa, 3)
     train(mb, ob, 3)
     engine = engine_of(ob)
-    hooks = (len(ob._optimizer_step_pre_hooks), len(ob._optimizer_step_post_hooks),
-             len(ob._optimizer_load_state_dict_pre_hooks))
+    hooks = (
+        len(ob._optimizer_step_pre_hooks),
+        len(ob._optimizer_step_post_hooks),
+        len(ob._optimizer_load_state_dict_pre_hooks),
+    )
     stats = swap_stats(ob)
     same = loopback(swap_times=3, min_numel=0, packed_swap=packed)
     assert same == config and same is not config
     assert swap_optimizer(ob, same) is ob
     assert engine_of(ob) is engine
-    assert hooks == (len(ob._optimizer_step_pre_hooks), len(ob._optimizer_step_post_hooks),
-                     len(ob._optimizer_load_state_dict_pre_hooks))
+    assert hooks == (
+        len(ob._optimizer_step_pre_hooks),
+        len(ob._optimizer_step_post_hooks),
+        len(ob._optimizer_load_state_dict_pre_hooks),
+    )
     assert swap_stats(ob) == stats
     for step in range(3, 10):
         train(ma, oa, 1, start=step)
@@ -347,8 +363,11 @@ def test_installing_another_config_raises_and_changes_nothing():
     train(ma, oa, 2)
     train(mb, ob, 2)
     engine = engine_of(ob)
-    for other in (loopback(swap_times=4, min_numel=0), loopback(swap_times=3, min_numel=1),
-                  loopback(swap_times=3, min_numel=0, packed_swap=False)):
+    for other in (
+        loopback(swap_times=4, min_numel=0),
+        loopback(swap_times=3, min_numel=1),
+        loopback(swap_times=3, min_numel=0, packed_swap=False),
+    ):
         with pytest.raises(SwapOptError, match="already swapped"):
             swap_optimizer(ob, other)
         assert engine_of(ob) is engine and engine.config == config

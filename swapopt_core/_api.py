@@ -1,24 +1,25 @@
-"""Public entry points: install, remove and inspect the optimizer-state swap."""
+"""Public entry points: install, remove and inspect the optimizer-state swap.
+
+Framework-neutral: each backend's engine class says whether it ``serves`` an optimizer,
+and everything after that choice is a call on ``EngineBase``. The backends are imported
+here, on first use, and nowhere else in the neutral core.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import warnings
 from typing import Any, TypeVar
 
 import pluggy
-import torch
 
 from swapopt_core._config import SwapOptimizerConfig
-from swapopt_core._engine_base import engine_of
+from swapopt_core._engine_base import EngineBase, engine_of
 from swapopt_core._errors import SwapOptError, SwapOptWarning
-from swapopt_core._mindspore import is_mindspore_optimizer
-from swapopt_core._mindspore.engine import MindSporeSwapEngine
 from swapopt_core._plugins import get_plugin_manager, optimizer_adapters, runtime_classes
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core._stats import SwapStats
-from swapopt_core._torch.engine import SwapEngine
-from swapopt_core._torch.state import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +36,31 @@ _warned_cpu_auto = False
 #: A torch optimizer or a MindSpore optimizer Cell; the functions hand back the same object.
 OptimizerT = TypeVar("OptimizerT")
 
+#: The engine classes, asked in this order whether they serve an optimizer. Imported on
+#: first use, so looking at a torch optimizer never imports the MindSpore engine.
+ENGINES = (
+    "swapopt_core._torch.engine:SwapEngine",
+    "swapopt_core._mindspore.engine:MindSporeSwapEngine",
+)
 
-def _param_devices(optimizer: Any) -> set[str]:
-    """Device types of the parameters (``"cuda"``, ``"cpu"``; MindSpore ``"Ascend"``, ``"CPU"``)."""
-    if is_mindspore_optimizer(optimizer):
-        return {str(p.device).split(":")[0] for p in optimizer._parameters}
-    return {
-        local_tensor(p).device.type for group in optimizer.param_groups for p in group["params"]
-    }
+
+def _engine_class(optimizer: object) -> type[EngineBase] | None:
+    """The engine class of the first backend that serves ``optimizer``, if any."""
+    for dotted in ENGINES:
+        module, _, name = dotted.partition(":")
+        engine_class: type[EngineBase] = getattr(importlib.import_module(module), name)
+        if engine_class.serves(optimizer):
+            return engine_class
+    return None
 
 
 def _pick_runtime(
-    optimizer: Any, config: SwapOptimizerConfig, manager: pluggy.PluginManager, framework: str
+    optimizer: Any,
+    config: SwapOptimizerConfig,
+    manager: pluggy.PluginManager,
+    engine_class: type[EngineBase],
 ) -> TransferRuntime | None:
+    framework = engine_class.framework
     runtimes = runtime_classes(manager, framework)
     if config.runtime != "auto":
         chosen = runtimes.get(config.runtime)
@@ -58,7 +71,7 @@ def _pick_runtime(
                 "that provides it (swapopt_register_runtimes)."
             )
         return chosen()
-    types = _param_devices(optimizer)
+    types = engine_class.param_devices(optimizer)
     matching = {name: cls for name, cls in runtimes.items() if set(cls.device_types) & types}
     if len(matching) > 1:
         raise SwapOptError(
@@ -126,8 +139,8 @@ def swap_optimizer(
         ``optimizer`` itself.
 
     Raises:
-        TypeError: ``optimizer`` is not a torch optimizer, or ``config`` is not a
-            ``SwapOptimizerConfig``.
+        TypeError: ``optimizer`` is neither a torch optimizer nor a MindSpore optimizer
+            Cell, or ``config`` is not a ``SwapOptimizerConfig``.
         ValueError: A config value does not fit this optimizer or no runtime has its name.
         SwapOptError: The optimizer family, one of its flags or the state layout is not
             supported, or the optimizer is already swapped with another config.
@@ -140,7 +153,8 @@ def swap_optimizer(
     config = SwapOptimizerConfig() if config is None else config
     if not isinstance(config, SwapOptimizerConfig):
         raise TypeError(f"config must be a SwapOptimizerConfig, got {type(config).__name__}.")
-    if not isinstance(optimizer, torch.optim.Optimizer) and not is_mindspore_optimizer(optimizer):
+    engine_class = _engine_class(optimizer)
+    if engine_class is None:
         raise TypeError(
             "swap_optimizer needs a torch.optim.Optimizer or a MindSpore optimizer Cell, got "
             f"{type(optimizer).__name__}. "
@@ -156,21 +170,19 @@ def swap_optimizer(
             "Call unswap_optimizer(optimizer) before installing another config."
         )
     manager = get_plugin_manager() if plugin_manager is None else plugin_manager
-    framework = "mindspore" if is_mindspore_optimizer(optimizer) else "torch"
-    adapter = _pick_adapter(optimizer, config, manager, framework)
-    runtime = _pick_runtime(optimizer, config, manager, framework)
+    adapter = _pick_adapter(optimizer, config, manager, engine_class.framework)
+    runtime = _pick_runtime(optimizer, config, manager, engine_class)
     if runtime is None:
         if not _warned_cpu_auto:
             _warned_cpu_auto = True
             warnings.warn(
                 "swap_optimizer(runtime='auto') found no accelerator for the parameters "
-                f"(devices: {sorted(_param_devices(optimizer))}), so nothing "
+                f"(devices: {sorted(engine_class.param_devices(optimizer))}), so nothing "
                 "is swapped. Use runtime='loopback' to exercise the swap on CPU.",
                 SwapOptWarning,
                 stacklevel=2,
             )
         return optimizer
-    engine_class = MindSporeSwapEngine if framework == "mindspore" else SwapEngine
     engine = engine_class(optimizer, config, adapter, runtime, manager)
     engine.install()
     logger.info(
@@ -181,7 +193,7 @@ def swap_optimizer(
         engine.staging.packed,
         config.swap_times,
         len(engine.slots),
-        "" if framework == "mindspore" else ", new state starts in host memory at its first step",
+        engine.install_note,
     )
     manager.hook.swapopt_on_install(optimizer=optimizer, config=config)
     return optimizer
@@ -201,7 +213,7 @@ def unswap_optimizer(optimizer: OptimizerT) -> OptimizerT:
     engine = engine_of(optimizer)
     if engine is None:
         return optimizer
-    engine.remove()
+    engine.uninstall()
     engine.plugin_manager.hook.swapopt_on_uninstall(optimizer=optimizer)
     return optimizer
 
@@ -220,19 +232,7 @@ def offload_optimizer_state(optimizer: Any) -> int:
     engine = engine_of(optimizer)
     if engine is None:
         return 0
-    if isinstance(engine, MindSporeSwapEngine):
-        return engine.offload()
-    ours = {id(slot.value) for slot in engine.slots.values()}  # alive: ids are unique
-    moved = sum(
-        1
-        for group in optimizer.param_groups
-        for param in group["params"]
-        for key, value in optimizer.state.get(param, {}).items()
-        if key in engine.keys(group) and id(value) not in ours and engine.swappable(param, value)
-    )
-    with torch.no_grad():
-        engine.sync_state()
-    return moved
+    return engine.offload()
 
 
 def swap_stats(optimizer: Any) -> SwapStats:

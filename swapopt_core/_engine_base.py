@@ -1,8 +1,16 @@
-"""What every swap engine keeps, whatever its framework: staging, counters and stats."""
+"""What every swap engine is and keeps, whatever its framework.
+
+``swapopt_core._api`` talks to the engines only through ``EngineBase``: it asks each
+backend's engine class whether it ``serves`` an optimizer, builds that engine, and then
+calls ``install``, ``offload``, ``uninstall`` and ``stats`` on it. Everything a framework
+does differently (hooks or a replaced ``construct``, how state is found and moved) lives
+in the backend's subclass.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
 
 import pluggy
 
@@ -17,14 +25,20 @@ __all__ = ["ENGINE_ATTR", "EngineBase", "engine_of"]
 ENGINE_ATTR = "_swapopt_engine"
 
 
-class EngineBase:
-    """Staging choice, traffic counters and ``SwapStats`` shared by the torch and MindSpore
-    engines.
+class EngineBase(ABC):
+    """The interface of a swap engine, with the staging choice, traffic counters and
+    ``SwapStats`` that the torch and MindSpore engines share.
 
-    Subclasses set ``packed_staging`` and ``per_tensor_staging`` (classes taking
-    ``(runtime, ledger)``) and fill ``slots`` with objects that have ``nbytes``.
+    Subclasses set ``framework``, ``packed_staging`` and ``per_tensor_staging`` (classes
+    taking ``(runtime, ledger)``), fill ``slots`` with objects that have ``nbytes``, and
+    implement the abstract methods.
     """
 
+    #: The tensor library served (``"torch"``, ``"mindspore"``): only runtimes and adapters
+    #: of the same ``framework`` are offered to this engine.
+    framework: ClassVar[str]
+    #: Appended to the log line of a successful install.
+    install_note: ClassVar[str] = ""
     packed_staging: type
     per_tensor_staging: type
 
@@ -51,6 +65,37 @@ class EngineBase:
         self.steps = 0
         self.last_batches = 0
 
+    # ---- what each backend implements --------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def serves(cls, optimizer: object) -> bool:
+        """Whether ``optimizer`` is of this engine's framework (without importing it)."""
+
+    @classmethod
+    @abstractmethod
+    def param_devices(cls, optimizer: Any) -> set[str]:
+        """Device types of ``optimizer``'s parameters, as runtimes list them in
+        ``device_types`` (torch ``"cuda"``, ``"cpu"``; MindSpore ``"Ascend"``, ``"CPU"``)."""
+
+    @abstractmethod
+    def install(self) -> None:
+        """Offload the state that exists, hook the step in and mark the optimizer."""
+
+    @abstractmethod
+    def uninstall(self) -> None:
+        """Move every swapped state back to its device and leave a plain optimizer."""
+
+    @abstractmethod
+    def offload(self) -> int:
+        """Take swappable state that is not in host memory there now.
+
+        Returns:
+            How many state tensors were moved.
+        """
+
+    # ---- shared bookkeeping ----------------------------------------------------------------
+
     def host_state_bytes(self) -> int:
         """Host bytes holding swapped state (packed buffers may hold more than the slots)."""
         return sum(slot.nbytes for slot in self.slots.values())
@@ -64,6 +109,7 @@ class EngineBase:
         self.plugin_manager.hook.swapopt_after_step(optimizer=self.optimizer, stats=self.stats())
 
     def stats(self) -> SwapStats:
+        """A snapshot of the memory and traffic of this engine."""
         return SwapStats(
             total_state_bytes=sum(slot.nbytes for slot in self.slots.values()),
             resident_state_bytes=self.ledger.current,

@@ -9,14 +9,13 @@ through the ``swapopt`` entry-point group.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:
-    import torch
-
     from swapopt_core._config import SwapOptimizerConfig
+    from swapopt_core._mindspore.adapter import MindSporeAdapter
     from swapopt_core._planning.interface import ResidencyPlanner
     from swapopt_core._runtime import TransferRuntime
     from swapopt_core._stats import SwapStats
@@ -31,7 +30,12 @@ __all__ = ["PROJECT", "SwapOptSpecs", "hookimpl", "hookspec"]
 
 
 class SwapOptSpecs:
-    """Hook specifications. Every hook takes keyword arguments only."""
+    """Hook specifications. Every hook takes keyword arguments only.
+
+    The observers receive the optimizer exactly as it was given to ``swap_optimizer``: a
+    ``torch.optim.Optimizer`` or a MindSpore optimizer Cell (``mindspore.nn.Optimizer``),
+    hence ``Any``.
+    """
 
     # ---- registration --------------------------------------------------------------------
 
@@ -39,9 +43,10 @@ class SwapOptSpecs:
     def swapopt_register_runtimes(self) -> Iterable[type[TransferRuntime]]:
         """Contribute transfer runtimes.
 
-        Called at every ``swap_optimizer``. Each runtime class carries a unique ``name`` (what
-        ``SwapOptimizerConfig.runtime`` selects) and the ``device_types`` that
-        ``runtime="auto"`` picks it for.
+        Called at every ``swap_optimizer`` and by ``runtime_names()`` (which config
+        validation uses). Each runtime class carries a ``name``, unique within its
+        ``framework`` (what ``SwapOptimizerConfig.runtime`` selects), and the
+        ``device_types`` that ``runtime="auto"`` picks it for.
 
         Returns:
             Runtime classes, subclasses of ``swapopt_core.TransferRuntime``; each serves the
@@ -49,11 +54,14 @@ class SwapOptSpecs:
         """
 
     @hookspec
-    def swapopt_register_optimizer_adapters(self) -> Iterable[OptimizerAdapter]:
+    def swapopt_register_optimizer_adapters(
+        self,
+    ) -> Iterable[OptimizerAdapter | MindSporeAdapter]:
         """Contribute optimizer families that can be swapped.
 
-        Called at every ``swap_optimizer``; the first adapter whose ``matches`` accepts the
-        optimizer serves it. Adapters from plugins registered later are asked first, so a
+        Called at every ``swap_optimizer`` (and when config validation lists the state
+        keys); the first adapter of the optimizer's framework whose ``matches`` accepts it
+        serves it. Adapters from plugins registered later are asked first, so a
         plugin can take over a family a built-in serves.
 
         Returns:
@@ -75,21 +83,30 @@ class SwapOptSpecs:
     # ---- lifecycle observers ---------------------------------------------------------------
 
     @hookspec
-    def swapopt_on_install(
-        self, optimizer: torch.optim.Optimizer, config: SwapOptimizerConfig
-    ) -> None:
+    def swapopt_on_install(self, optimizer: Any, config: SwapOptimizerConfig) -> None:
         """Called after the swap was installed on ``optimizer`` and its state offloaded.
 
-        ``optimizer`` is a torch optimizer or a MindSpore optimizer Cell.
+        Not called when ``swap_optimizer`` installs nothing (``runtime="auto"`` without an
+        accelerator) or finds the same config installed already.
+
+        Args:
+            optimizer: The torch optimizer or MindSpore optimizer Cell now swapped.
+            config: The config it was swapped with.
         """
 
     @hookspec
-    def swapopt_after_step(self, optimizer: torch.optim.Optimizer, stats: SwapStats) -> None:
+    def swapopt_after_step(self, optimizer: Any, stats: SwapStats) -> None:
         """Called after every swapped step, once its state is back in host memory.
 
-        ``stats`` is the optimizer's ``swap_stats`` snapshot after the step.
+        Args:
+            optimizer: The torch optimizer or MindSpore optimizer Cell that stepped.
+            stats: Its ``swap_stats`` snapshot after the step.
         """
 
     @hookspec
-    def swapopt_on_uninstall(self, optimizer: torch.optim.Optimizer) -> None:
-        """Called after the swap was removed and the state moved back to the device."""
+    def swapopt_on_uninstall(self, optimizer: Any) -> None:
+        """Called after ``unswap_optimizer`` removed the swap and moved the state back.
+
+        Args:
+            optimizer: The torch optimizer or MindSpore optimizer Cell, a plain one again.
+        """

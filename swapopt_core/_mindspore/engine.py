@@ -18,6 +18,7 @@ import pluggy
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
 from swapopt_core._errors import SwapOptError
+from swapopt_core._mindspore import is_mindspore_optimizer
 from swapopt_core._mindspore.adapter import MindSporeAdapter
 from swapopt_core._mindspore.runtime import MindSporeRuntime
 from swapopt_core._mindspore.staging import PackedStaging, PerTensorStaging, Slot
@@ -33,6 +34,7 @@ _FLOATS = ("Float16", "Float32", "Float64", "BFloat16")
 class MindSporeSwapEngine(EngineBase):
     """Keeps a MindSpore optimizer's swappable state in host memory; pipelines its update."""
 
+    framework = "mindspore"
     packed_staging = PackedStaging
     per_tensor_staging = PerTensorStaging
     adapter: MindSporeAdapter
@@ -52,7 +54,15 @@ class MindSporeSwapEngine(EngineBase):
         # An interrupted step: (gradient ids, preamble values, indices already updated).
         self._interrupted: tuple[tuple[int, ...], Any, set[int]] | None = None
 
-    # ---- install / remove ----------------------------------------------------------------
+    # ---- install / uninstall -------------------------------------------------------------
+
+    @classmethod
+    def serves(cls, optimizer: object) -> bool:
+        return is_mindspore_optimizer(optimizer)
+
+    @classmethod
+    def param_devices(cls, optimizer: Any) -> set[str]:
+        return {str(p.device).split(":")[0] for p in optimizer._parameters}
 
     def install(self) -> None:
         self._check_mode()
@@ -61,8 +71,9 @@ class MindSporeSwapEngine(EngineBase):
         object.__setattr__(self.optimizer, "construct", self.construct)
         object.__setattr__(self.optimizer, ENGINE_ATTR, self)
 
-    def remove(self) -> None:
+    def uninstall(self) -> None:
         """Put every swapped state back on its device and give ``construct`` back."""
+        # The host tensors are read below: every copy into them must have landed.
         self.runtime.synchronize()
         for slot in self.slots.values():
             slot.state.set_data(self.runtime.to_device(slot.host, slot.device))

@@ -1,4 +1,7 @@
-"""The swap engine installed on one optimizer: hooks, state bookkeeping and the step."""
+"""The swap engine installed on one torch optimizer: install, state bookkeeping and the step.
+
+Its checkpoint hooks are in ``swapopt_core._torch.checkpoint``.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from swapopt_core._partition import partition
 from swapopt_core._pipeline import run_pipeline
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core._torch.adapter import OptimizerAdapter
+from swapopt_core._torch.checkpoint import CheckpointHooks
 from swapopt_core._torch.staging import PackedStaging, PerTensorStaging
 from swapopt_core._torch.state import Slot, local_tensor, wrap_like
 
@@ -46,6 +50,8 @@ class SwapEngine(EngineBase):
     its loss, but finds no parameter to update), and a step post-hook runs the pipeline.
     """
 
+    framework = "torch"
+    install_note = ", new state starts in host memory at its first step"
     packed_staging = PackedStaging
     per_tensor_staging = PerTensorStaging
     optimizer: torch.optim.Optimizer
@@ -63,12 +69,22 @@ class SwapEngine(EngineBase):
     ) -> None:
         super().__init__(optimizer, config, adapter, runtime, plugin_manager)
         self._handles: list[Any] = []
-        self._pending_load: dict[tuple[int, str], torch.Tensor] = {}
+        self.checkpoint = CheckpointHooks(self)
         # Units finished by a step that was then interrupted, with the grad they used.
         self._finished: dict[int, tuple[torch.Tensor, int]] = {}
         self._unsilence: Callable[[], None] | None = None
 
-    # ---- install / remove ----------------------------------------------------------------
+    # ---- install / uninstall -------------------------------------------------------------
+
+    @classmethod
+    def serves(cls, optimizer: object) -> bool:
+        return isinstance(optimizer, torch.optim.Optimizer)
+
+    @classmethod
+    def param_devices(cls, optimizer: torch.optim.Optimizer) -> set[str]:
+        return {
+            local_tensor(p).device.type for group in optimizer.param_groups for p in group["params"]
+        }
 
     def install(self) -> None:
         opt = self.optimizer
@@ -84,34 +100,10 @@ class SwapEngine(EngineBase):
         step_post = opt.register_step_post_hook(self._post_step)
         # Before post-hooks the user registered earlier: they expect an updated model.
         opt._optimizer_step_post_hooks.move_to_end(step_post.id, last=False)
-        load_pre = opt.register_load_state_dict_pre_hook(self._before_load)
-        self._handles = [
-            step_post,
-            load_pre,
-            opt.register_state_dict_pre_hook(self._before_state_dict),
-            # First, so the user's load post-hooks find the swapped entries in place.
-            opt.register_load_state_dict_post_hook(self._after_load, prepend=True),
-        ]
-        self._keep_load_pre_hook_last(load_pre.id)
+        self._handles = [step_post, *self.checkpoint.attach()]
         setattr(opt, ENGINE_ATTR, self)
 
-    def _keep_load_pre_hook_last(self, hook_id: int) -> None:
-        """Keep our load pre-hook after any the user adds later.
-
-        It takes the swapped entries out of the dict torch is about to load; a user's own
-        pre-hook must still see (and may edit) the whole checkpoint first.
-        """
-        opt = self.optimizer
-        register = type(opt).register_load_state_dict_pre_hook.__get__(opt)
-
-        def register_before_swap(hook: Callable[..., Any], prepend: bool = False) -> Any:
-            handle = register(hook, prepend=prepend)
-            opt._optimizer_load_state_dict_pre_hooks.move_to_end(hook_id)
-            return handle
-
-        opt.register_load_state_dict_pre_hook = register_before_swap  # type: ignore[method-assign]
-
-    def remove(self) -> None:
+    def uninstall(self) -> None:
         """Move every swapped state back to its device and remove the hooks."""
         self._restore_state()
         for handle in self._handles:
@@ -120,10 +112,11 @@ class SwapEngine(EngineBase):
         if self._unsilence is not None:
             self._unsilence()
             self._unsilence = None
-        del self.optimizer.register_load_state_dict_pre_hook
+        self.checkpoint.detach()
         delattr(self.optimizer, ENGINE_ATTR)
 
     def _restore_state(self) -> None:
+        # The host tensors are read below: every copy into them must have landed.
         self.runtime.synchronize()
         for slot in self.slots.values():
             local = torch.empty_like(slot.host, device=slot.device)
@@ -134,11 +127,13 @@ class SwapEngine(EngineBase):
     # ---- state bookkeeping ---------------------------------------------------------------
 
     def keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
+        """The state keys swapped for parameters of ``group``: the adapter's, as configured."""
         keys = self.adapter.state_keys(group)
         wanted = self.config.state_keys
         return keys if wanted is None else tuple(k for k in keys if k in wanted)
 
     def swappable(self, param: torch.Tensor, value: object) -> bool:
+        """Whether state entry ``value`` of ``param`` can live in host memory."""
         if not isinstance(value, torch.Tensor):
             return False
         local = local_tensor(value)
@@ -153,7 +148,7 @@ class SwapEngine(EngineBase):
             and self.runtime.accepts(local_tensor(param).device)
         )
 
-    def _host_copy(self, local: torch.Tensor, *, settled: bool = False) -> torch.Tensor:
+    def host_copy(self, local: torch.Tensor, *, settled: bool = False) -> torch.Tensor:
         """Host memory holding ``local``'s values for a new slot.
 
         In packed mode the slot is about to be copied into the packed buffer by the layout
@@ -169,7 +164,7 @@ class SwapEngine(EngineBase):
         self, param: torch.Tensor, key: str, value: torch.Tensor, *, settled: bool = False
     ) -> Slot:
         """Take ``value`` into host memory and make it the state entry."""
-        host = self._host_copy(local_tensor(value), settled=settled)
+        host = self.host_copy(local_tensor(value), settled=settled)
         slot = Slot(param, key, host, wrap_like(host, value), local_tensor(param).device)
         self.optimizer.state[param][key] = slot.value
         self.slots[(id(param), key)] = slot
@@ -199,12 +194,27 @@ class SwapEngine(EngineBase):
             host = (
                 zero.expand(local.shape)
                 if self.staging.packed
-                else self._host_copy(zero.expand(local.shape))
+                else self.host_copy(zero.expand(local.shape))
             )
             slot = Slot(like, key, host, wrap_like(host, like), local.device)
             self.slots[(id(like), key)] = slot
             return slot.value
         return torch.zeros_like(like, memory_format=torch.preserve_format)
+
+    def offload(self) -> int:
+        """Take swappable entries that are not our host tensors into host memory now."""
+        opt = self.optimizer
+        ours = {id(slot.value) for slot in self.slots.values()}  # alive: ids are unique
+        moved = sum(
+            1
+            for group in opt.param_groups
+            for param in group["params"]
+            for key, value in opt.state.get(param, {}).items()
+            if key in self.keys(group) and id(value) not in ours and self.swappable(param, value)
+        )
+        with torch.no_grad():
+            self.sync_state()
+        return moved
 
     def sync_state(self, *, stepping: bool = False) -> list[_Unit]:
         """Bring ``optimizer.state`` in line with the slots; return the units to step.
@@ -341,72 +351,9 @@ class SwapEngine(EngineBase):
                 like = old if isinstance(old, torch.Tensor) else unit.param
                 state[key] = wrap_like(value, like) if isinstance(value, torch.Tensor) else value
 
-    # ---- checkpoints ---------------------------------------------------------------------
-
-    def _before_state_dict(self, opt: torch.optim.Optimizer) -> None:
-        # state_dict() hands out the host tensors: no copy may still be writing them.
-        self.runtime.synchronize()
-
-    def _before_load(self, opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-        """Keep swapped entries away from torch's loader, which would put them on the device."""
-        self.runtime.synchronize()
-        saved_groups = state_dict["param_groups"]
-        saved_state = state_dict["state"]
-        stripped = dict(saved_state)
-        self._pending_load = {}
-        if len(saved_groups) != len(opt.param_groups):
-            return state_dict  # torch's loader reports the mismatch
-        for saved, group in zip(saved_groups, opt.param_groups, strict=True):
-            keys = self.keys(saved)
-            for saved_id, param in zip(saved["params"], group["params"], strict=False):
-                entry = saved_state.get(saved_id)
-                if not isinstance(entry, dict):
-                    continue
-                moved = {k: v for k, v in entry.items() if k in keys and self.swappable(param, v)}
-                if moved:
-                    stripped[saved_id] = {k: v for k, v in entry.items() if k not in moved}
-                    for key, value in moved.items():
-                        self._pending_load[(id(param), key)] = value
-        return {**state_dict, "state": stripped}
-
-    def _after_load(self, opt: torch.optim.Optimizer) -> None:
-        pending, self._pending_load = self._pending_load, {}
-        self.slots.clear()
-        for group in opt.param_groups:
-            for param in group["params"]:
-                for key in self.keys(group):
-                    value = pending.get((id(param), key))
-                    if value is None:
-                        continue
-                    local = local_tensor(value)
-                    if local_tensor(param).is_floating_point():
-                        # Cast like torch's loader does, but into host memory, not the device.
-                        local = local.to(device="cpu", dtype=param.dtype)
-                    host = self._host_copy(local)
-                    slot = Slot(
-                        param,
-                        key,
-                        host,
-                        wrap_like(host, _layout_source(value, param)),
-                        local_tensor(param).device,
-                    )
-                    opt.state[param][key] = slot.value
-                    self.slots[(id(param), key)] = slot
-        with torch.no_grad():
-            self.sync_state()
-
     # ---- reporting -----------------------------------------------------------------------
 
     def host_state_bytes(self) -> int:
         if isinstance(self.staging, PackedStaging) and self.staging.buffers:
             return sum(b.numel() * b.element_size() for b in self.staging.buffers.values())
         return super().host_state_bytes()
-
-
-def _layout_source(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """Whose distributed layout a loaded state entry takes: its own, else its parameter's."""
-    if local_tensor(value) is not value:
-        return value
-    if local_tensor(param).shape == value.shape:
-        return param
-    return value

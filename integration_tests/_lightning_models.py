@@ -1,23 +1,30 @@
 """Tiny models, data and a runner shared by the Lightning integration tests.
 
-Importable by name (``ddp_spawn`` pickles the model into fresh processes) and runnable as a
-script: ``python _lightning_models.py OUT_DIR`` is one rank of a two-process DDP run started
-with torchrun-style environment variables (see ``test_lightning.py``).
+Each model is written once as a mixin and declared for both Lightning packages
+(``pytorch_lightning`` and ``lightning.pytorch``); ``PACKAGES`` holds what a test needs of
+each. Importable by name (``ddp_spawn`` pickles the model into fresh processes) and runnable
+as a script: ``python _lightning_models.py OUT_DIR`` is one rank of a two-process DDP run
+started with torchrun-style environment variables (see ``test_lightning.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import lightning.pytorch as lp
 import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from swapopt_core import SwapOptimizerConfig
+from swapopt_plugins.lightning import LightningSwapOptimizerCallback, SwapOptimizerCallback
 
 LOOPBACK = SwapOptimizerConfig(runtime="loopback", min_numel=16, swap_times=3)
 
@@ -30,8 +37,8 @@ def loader(n: int = 24, batch_size: int = 4) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
-class Net(pl.LightningModule):
-    """An MLP trained with AdamW and a step- or epoch-interval scheduler."""
+class NetLogic:
+    """An MLP trained with AdamW and a step- or epoch-interval scheduler (mixin)."""
 
     def __init__(self, interval: str = "step", width: int = 64, depth: int = 2) -> None:
         super().__init__()
@@ -56,8 +63,8 @@ class Net(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval}}
 
 
-class TwoOptimizerNet(Net):
-    """Manual optimization with two optimizers stepped in turn (GAN-style)."""
+class TwoOptimizerLogic(NetLogic):
+    """Manual optimization with two optimizers stepped in turn (GAN-style) (mixin)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -84,8 +91,63 @@ class TwoOptimizerNet(Net):
         return [opt_a, opt_b], [sched]
 
 
-def trainer(root: Path | str, callbacks: list | None = None, **kwargs: Any) -> pl.Trainer:
-    """A quiet CPU trainer; ``kwargs`` override the defaults."""
+class Net(NetLogic, pl.LightningModule):
+    """``NetLogic`` as a ``pytorch_lightning`` module."""
+
+
+class TwoOptimizerNet(TwoOptimizerLogic, pl.LightningModule):
+    """``TwoOptimizerLogic`` as a ``pytorch_lightning`` module."""
+
+
+class UnifiedNet(NetLogic, lp.LightningModule):
+    """``NetLogic`` as a ``lightning.pytorch`` module."""
+
+
+class UnifiedTwoOptimizerNet(TwoOptimizerLogic, lp.LightningModule):
+    """``TwoOptimizerLogic`` as a ``lightning.pytorch`` module."""
+
+
+@dataclass(frozen=True)
+class Package:
+    """One Lightning package as the tests use it.
+
+    Attributes:
+        name: ``"pytorch_lightning"`` or ``"lightning.pytorch"``.
+        module: The package (``Trainer``, ``Callback``, ``callbacks``, ...).
+        net: ``Net`` built on it; ``model(*mixins)`` adds test-local mixins in front.
+        two_optimizer_net: ``TwoOptimizerNet`` built on it.
+        callback: swapopt's callback class for this package.
+    """
+
+    name: str
+    module: ModuleType
+    net: type
+    two_optimizer_net: type
+    callback: type
+
+    def model(self, *mixins: type, base: type | None = None) -> type:
+        """``Net`` (or ``base``) with test-local ``mixins`` overriding its methods."""
+        return _composed(mixins, base or self.net)
+
+
+@functools.cache
+def _composed(mixins: tuple[type, ...], base: type) -> type:
+    if not mixins:
+        return base
+    return type("".join(m.__name__ for m in mixins) + base.__name__, (*mixins, base), {})
+
+
+PL = Package("pytorch_lightning", pl, Net, TwoOptimizerNet, SwapOptimizerCallback)
+LP = Package(
+    "lightning.pytorch", lp, UnifiedNet, UnifiedTwoOptimizerNet, LightningSwapOptimizerCallback
+)
+PACKAGES = {package.name: package for package in (PL, LP)}
+
+
+def trainer(
+    root: Path | str, callbacks: list | None = None, package: Package = PL, **kwargs: Any
+) -> Any:
+    """A quiet CPU trainer of ``package``; ``kwargs`` override the defaults."""
     options: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": 1,
@@ -99,27 +161,27 @@ def trainer(root: Path | str, callbacks: list | None = None, **kwargs: Any) -> p
         "deterministic": True,
     }
     options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks or [], **options)
+    return package.module.Trainer(callbacks=callbacks or [], **options)
 
 
 def fit(
     root: Path | str,
     callbacks: list | None = None,
-    make: Callable[[], Any] = Net,
+    make: Callable[[], Any] | None = None,
     ckpt_path: str | None = None,
+    package: Package = PL,
     **kwargs: Any,
-) -> pl.LightningModule:
-    """Seeded ``Trainer.fit`` of a module built by ``make``; returns the trained module."""
-    pl.seed_everything(0, verbose=False)
-    model = make()
-    trainer(root, callbacks, **kwargs).fit(model, loader(), ckpt_path=ckpt_path)
+) -> Any:
+    """Seeded ``Trainer.fit`` of a module built by ``make`` (default: the package's ``Net``);
+    returns the trained module."""
+    package.module.seed_everything(0, verbose=False)
+    model = (make or package.net)()
+    trainer(root, callbacks, package, **kwargs).fit(model, loader(), ckpt_path=ckpt_path)
     return model
 
 
 def _ddp_rank(out_dir: Path) -> None:
     """One rank of a torchrun-style launch: plain DDP, then DDP with the callback."""
-    from swapopt_plugins.lightning import SwapOptimizerCallback
-
     torch.set_num_threads(1)
     for name, callbacks in (("plain", []), ("swap", [SwapOptimizerCallback(LOOPBACK)])):
         pl.seed_everything(0, verbose=False)

@@ -1,12 +1,17 @@
-"""``SwapOptimizerCallback`` in the real ``pytorch_lightning`` Trainer on CPU (loopback runtime).
+"""swapopt's Lightning callbacks in the real Trainers on CPU (loopback runtime).
 
-Every equality is ``torch.equal``: a run with the callback must give the bits of the same run
-without it.
+Most tests run twice: ``pytorch_lightning.Trainer`` with ``SwapOptimizerCallback`` and
+``lightning.pytorch.Trainer`` with ``LightningSwapOptimizerCallback`` (the ``package``
+fixture). Every equality is ``torch.equal``: a run with the callback must give the bits of the
+same run without it.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
+import pickle
 import re
 import socket
 import subprocess
@@ -17,11 +22,9 @@ from pathlib import Path
 import pytest
 
 pl = pytest.importorskip("pytorch_lightning")
+pytest.importorskip("lightning")
 import _lightning_models as M  # noqa: E402
 import torch  # noqa: E402
-from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint  # noqa: E402
-from pytorch_lightning.loggers import CSVLogger  # noqa: E402
-from pytorch_lightning.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 from swapopt_core import (  # noqa: E402
     OffloadConfig,
@@ -41,8 +44,21 @@ def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x, y), f"parameter {name} differs"
 
 
+@pytest.fixture(params=list(M.PACKAGES))
+def package(request: pytest.FixtureRequest) -> M.Package:
+    """The Lightning package a test trains with, and swapopt's callback class for it."""
+    return M.PACKAGES[request.param]
+
+
+def _other(package: M.Package) -> M.Package:
+    return next(p for p in M.PACKAGES.values() if p is not package)
+
+
 class Probe(pl.Callback):
-    """Records what the swap looks like while training runs."""
+    """Records what the swap looks like while training runs.
+
+    A ``pytorch_lightning`` callback; ``lightning.pytorch``'s Trainer runs its hooks too.
+    """
 
     def __init__(self) -> None:
         self.swapped: list[bool] = []
@@ -63,7 +79,7 @@ class Probe(pl.Callback):
         self.swapped.append(all(is_swap_optimizer(o) for o in trainer.optimizers))
 
 
-class NoLogNet(M.Net):
+class NoLog:
     """``self.log`` adds Lightning bookkeeping ops that differ between steps; leave it out."""
 
     def training_step(self, batch, batch_idx):
@@ -71,7 +87,7 @@ class NoLogNet(M.Net):
         return torch.nn.functional.mse_loss(self.net(x), y)
 
 
-class SkipOddSteps(M.Net):
+class SkipOddSteps:
     """Runs forward and backward but skips every other optimizer step."""
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
@@ -85,22 +101,21 @@ class SkipOddSteps(M.Net):
 
 
 @pytest.mark.parametrize(
-    ("make", "options"),
+    ("model", "options"),
     [
-        (M.Net, {}),
-        (lambda: M.Net(interval="epoch"), {"max_steps": 9}),
-        (M.Net, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
-        (M.Net, {"precision": "bf16-mixed"}),
-        (M.TwoOptimizerNet, {}),
+        (lambda P: P.net, {}),
+        (lambda P: functools.partial(P.net, interval="epoch"), {"max_steps": 9}),
+        (lambda P: P.net, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+        (lambda P: P.net, {"precision": "bf16-mixed"}),
+        (lambda P: P.two_optimizer_net, {}),
     ],
     ids=["step-scheduler", "epoch-scheduler", "accumulate-clip", "bf16-mixed", "manual-2-opts"],
 )
-def test_fit_equals_plain(tmp_path, make, options) -> None:
+def test_fit_equals_plain(tmp_path, package, model, options) -> None:
+    make, options = model(package), {**options, "package": package}
     plain = M.fit(tmp_path / "plain", make=make, **options)
     probe = Probe()
-    swapped = M.fit(
-        tmp_path / "swap", [SwapOptimizerCallback(M.LOOPBACK), probe], make=make, **options
-    )
+    swapped = M.fit(tmp_path / "swap", [package.callback(M.LOOPBACK), probe], make=make, **options)
     assert probe.swapped and all(probe.swapped)
     assert_same(plain, swapped)
     # Removed at teardown: the optimizers are plain again, state equal to the plain run's.
@@ -110,40 +125,43 @@ def test_fit_equals_plain(tmp_path, make, options) -> None:
             assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_per_tensor_mode_and_lr_monitor(tmp_path) -> None:
-    def run(name: str, callbacks: list) -> tuple[pl.LightningModule, dict]:
-        monitor = LearningRateMonitor(logging_interval="step")
+def test_per_tensor_mode_and_lr_monitor(tmp_path, package) -> None:
+    def run(name: str, callbacks: list) -> tuple[torch.nn.Module, dict]:
+        monitor = package.module.callbacks.LearningRateMonitor(logging_interval="step")
         model = M.fit(
             tmp_path / name,
             [*callbacks, monitor],
-            logger=CSVLogger(tmp_path / name),
+            package=package,
+            logger=package.module.loggers.CSVLogger(tmp_path / name),
             log_every_n_steps=1,
         )
         return model, monitor.lrs
 
     plain, lrs_plain = run("plain", [])
     config = SwapOptimizerConfig(runtime="loopback", min_numel=16, packed_swap=False)
-    swapped, lrs_swap = run("swap", [SwapOptimizerCallback(config)])
+    swapped, lrs_swap = run("swap", [package.callback(config)])
     assert_same(plain, swapped)
     assert lrs_swap == lrs_plain and list(lrs_swap) == ["lr-AdamW"]
 
 
-def test_skipped_steps_and_activation_offload(tmp_path) -> None:
-    plain = M.fit(tmp_path / "plain", make=SkipOddSteps)
-    cb = SwapOptimizerCallback(M.LOOPBACK, activation_offload=ACTIVATIONS)
-    swapped = M.fit(tmp_path / "swap", [cb], make=SkipOddSteps)
+def test_skipped_steps_and_activation_offload(tmp_path, package) -> None:
+    make = package.model(SkipOddSteps)
+    plain = M.fit(tmp_path / "plain", make=make, package=package)
+    cb = package.callback(M.LOOPBACK, activation_offload=ACTIVATIONS)
+    swapped = M.fit(tmp_path / "swap", [cb], make=make, package=package)
     assert_same(plain, swapped)
     with OffloadSession(ACTIVATIONS):  # every session was left: a new one may start
         pass
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_activation_offload_equals_plain(tmp_path, accumulate) -> None:
+def test_activation_offload_equals_plain(tmp_path, package, accumulate) -> None:
     plain_probe, probe = Probe(), Probe()
-    options = {"accumulate_grad_batches": accumulate, "max_steps": 5}
-    plain = M.fit(tmp_path / "plain", [plain_probe], make=NoLogNet, **options)
-    cb = SwapOptimizerCallback(M.LOOPBACK, activation_offload=ACTIVATIONS)
-    swapped = M.fit(tmp_path / "swap", [cb, probe], make=NoLogNet, **options)
+    options = {"accumulate_grad_batches": accumulate, "max_steps": 5, "package": package}
+    make = package.model(NoLog)
+    plain = M.fit(tmp_path / "plain", [plain_probe], make=make, **options)
+    cb = package.callback(M.LOOPBACK, activation_offload=ACTIVATIONS)
+    swapped = M.fit(tmp_path / "swap", [cb, probe], make=make, **options)
     assert_same(plain, swapped)
     for ga, gb in zip(plain_probe.grads, probe.grads, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True))
@@ -154,16 +172,17 @@ def test_activation_offload_equals_plain(tmp_path, accumulate) -> None:
     assert stats.d2h_bytes > 0
 
 
-def test_exception_unswaps_and_leaves_the_session(tmp_path) -> None:
-    class Boom(M.Net):
-        def training_step(self, batch, batch_idx):
-            if self.global_step == 2:
-                raise RuntimeError("boom")
-            return super().training_step(batch, batch_idx)
+class Boom:
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
 
-    cb, probe = SwapOptimizerCallback(M.LOOPBACK, activation_offload=ACTIVATIONS), Probe()
+
+def test_exception_unswaps_and_leaves_the_session(tmp_path, package) -> None:
+    cb, probe = package.callback(M.LOOPBACK, activation_offload=ACTIVATIONS), Probe()
     with pytest.raises(RuntimeError, match="boom"):
-        M.fit(tmp_path, [cb, probe], make=Boom)
+        M.fit(tmp_path, [cb, probe], make=package.model(Boom), package=package)
     assert probe.swapped == [True, True]
     with OffloadSession(ACTIVATIONS):  # the session was left
         pass
@@ -174,11 +193,14 @@ def test_exception_unswaps_and_leaves_the_session(tmp_path) -> None:
 # ---- checkpoints ------------------------------------------------------------------------------
 
 
-def test_resume_equals_plain_resume(tmp_path, monkeypatch) -> None:
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
+def test_resume_equals_plain_resume(tmp_path, monkeypatch, package) -> None:
+    ckpt = package.module.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2
+    )
     M.fit(
         tmp_path / "first",
-        [SwapOptimizerCallback(M.LOOPBACK), ckpt],
+        [package.callback(M.LOOPBACK), ckpt],
+        package=package,
         max_steps=4,
         enable_checkpointing=True,
     )
@@ -194,10 +216,10 @@ def test_resume_equals_plain_resume(tmp_path, monkeypatch) -> None:
     (cb_state,) = [v for k, v in checkpoint["callbacks"].items() if "SwapOptimizerCallback" in k]
     assert cb_state["optimizer_steps"] == 4
 
-    plain = M.fit(tmp_path / "plain", ckpt_path=last, max_steps=8)
+    plain = M.fit(tmp_path / "plain", ckpt_path=last, max_steps=8, package=package)
     # Lightning moves restored state to the device; stand in for a device move on CPU by
     # replacing every state tensor, so the re-offload at on_train_start has work to do.
-    from pytorch_lightning.strategies import strategy as strategy_module
+    strategy_module = importlib.import_module(f"{package.name}.strategies.strategy")
 
     real_move = strategy_module._optimizer_to_device
 
@@ -209,8 +231,8 @@ def test_resume_equals_plain_resume(tmp_path, monkeypatch) -> None:
                     state[key] = value.clone()
 
     monkeypatch.setattr(strategy_module, "_optimizer_to_device", move)
-    cb, probe = SwapOptimizerCallback(M.LOOPBACK), Probe()
-    resumed = M.fit(tmp_path / "swap", [cb, probe], ckpt_path=last, max_steps=8)
+    cb, probe = package.callback(M.LOOPBACK), Probe()
+    resumed = M.fit(tmp_path / "swap", [cb, probe], ckpt_path=last, max_steps=8, package=package)
     assert cb._core.reoffloaded_tensors > 0
     assert probe.resident_at_start == [0]
     assert_same(plain, resumed)
@@ -219,22 +241,23 @@ def test_resume_equals_plain_resume(tmp_path, monkeypatch) -> None:
 # ---- refusals, arguments, auto-registration --------------------------------------------------
 
 
-def _setup(strategy: object) -> None:
+def _setup(package: M.Package, strategy: object) -> None:
     trainer = types.SimpleNamespace(strategy=strategy, callbacks=[], is_global_zero=True)
-    SwapOptimizerCallback(M.LOOPBACK).setup(trainer, None, "fit")
+    package.callback(M.LOOPBACK).setup(trainer, None, "fit")
 
 
-def test_refuses_fsdp_cpu_offload_and_deepspeed() -> None:
-    from pytorch_lightning.strategies import FSDPStrategy
-
-    with pytest.raises(MisconfigurationException, match="cpu_offload=False"):
-        _setup(FSDPStrategy(cpu_offload=True))
+def test_refuses_fsdp_cpu_offload_and_deepspeed(package) -> None:
+    # Each class raises its own package's exception.
+    error = importlib.import_module(f"{package.name}.utilities.exceptions")
+    misconfiguration = error.MisconfigurationException
+    with pytest.raises(misconfiguration, match="cpu_offload=False"):
+        _setup(package, package.module.strategies.FSDPStrategy(cpu_offload=True))
 
     class DeepSpeedStrategy:  # stands in for the real one (deepspeed is not installed)
         config = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
 
-    with pytest.raises(MisconfigurationException, match="already offloads.*offload_optimizer=True"):
-        _setup(DeepSpeedStrategy())
+    with pytest.raises(misconfiguration, match="already offloads.*offload_optimizer=True"):
+        _setup(package, DeepSpeedStrategy())
 
 
 @pytest.mark.parametrize(
@@ -244,25 +267,45 @@ def test_refuses_fsdp_cpu_offload_and_deepspeed() -> None:
         ({"activation_offload": 512}, r"activation_offload=.*OffloadConfig or None, got 512"),
     ],
 )
-def test_invalid_arguments(kwargs, match) -> None:
+def test_invalid_arguments(package, kwargs, match) -> None:
     with pytest.raises(TypeError, match=match):
-        SwapOptimizerCallback(**kwargs)
+        package.callback(**kwargs)
 
 
-def _auto(trainer: pl.Trainer) -> list:
-    return [c for c in trainer.callbacks if isinstance(c, SwapOptimizerCallback)]
+def test_callbacks_pickle_by_name(package) -> None:
+    """ddp_spawn pickles callbacks: each class is found again under its public name."""
+    callback = package.callback(M.LOOPBACK, activation_offload=ACTIVATIONS)
+    copy = pickle.loads(pickle.dumps(callback))
+    assert type(copy) is package.callback and copy.__module__ == "swapopt_plugins.lightning"
+    assert (copy.config, copy.activation_offload) == (M.LOOPBACK, ACTIVATIONS)
+    assert isinstance(callback, package.module.Callback)
 
 
-def test_auto_registration(tmp_path, monkeypatch) -> None:
+def test_other_package_callback_runs_bit_exact(tmp_path, package) -> None:
+    """A Trainer runs the hooks of the other package's class too, with the same bits."""
+    other, probe = _other(package).callback(M.LOOPBACK), Probe()
+    plain = M.fit(tmp_path / "plain", package=package)
+    swapped = M.fit(tmp_path / "swap", [other, probe], package=package)
+    assert probe.swapped and all(probe.swapped)
+    assert_same(plain, swapped)
+    assert not any(is_swap_optimizer(o) for o in probe.optimizers)
+
+
+def _auto(trainer, package: M.Package) -> list:
+    return [c for c in trainer.callbacks if isinstance(c, package.callback)]
+
+
+def test_auto_registration(tmp_path, monkeypatch, package) -> None:
     monkeypatch.delenv("SWAPOPT_LIGHTNING_AUTO", raising=False)
-    assert _auto(M.trainer(tmp_path)) == []
+    assert _auto(M.trainer(tmp_path, package=package), package) == []
     monkeypatch.setenv("SWAPOPT_LIGHTNING_AUTO", "1")
     monkeypatch.setenv("SWAPOPT_RUNTIME", "loopback")
     monkeypatch.setenv("SWAPOPT_SWAP_TIMES", "3")
     monkeypatch.setenv("SWAPOPT_MIN_NUMEL", "16")
     monkeypatch.setenv("SWAPOPT_PACKED_SWAP", "no")
     monkeypatch.setenv("SWAPOPT_ACTIVATION_BUDGET_MB", "0.5")
-    (cb,) = _auto(M.trainer(tmp_path))
+    monkeypatch.setenv("SWAPOPT_ACTIVATION_RUNTIME", "loopback")
+    (cb,) = _auto(M.trainer(tmp_path, package=package), package)
     assert cb.config == SwapOptimizerConfig(
         swap_times=3, min_numel=16, packed_swap=False, runtime="loopback"
     )
@@ -270,33 +313,41 @@ def test_auto_registration(tmp_path, monkeypatch) -> None:
         max_resident_activation_mb=0.5, runtime="loopback"
     )
     # It trains, and equals a plain run.
-    plain = M.fit(tmp_path / "plain", [], make=NoLogNet)
+    make = package.model(NoLog)
+    plain = M.fit(tmp_path / "plain", [], make=make, package=package)
     monkeypatch.setenv("SWAPOPT_LIGHTNING_AUTO", "1")
-    assert_same(plain, M.fit(tmp_path / "auto", make=NoLogNet))
+    assert_same(plain, M.fit(tmp_path / "auto", make=make, package=package))
     # An explicit callback wins; the auto-registered one stays idle.
-    explicit = SwapOptimizerCallback(M.LOOPBACK)
-    trainer = M.trainer(tmp_path, [explicit])
-    pl.seed_everything(0, verbose=False)
-    trainer.fit(NoLogNet(), M.loader())
-    assert [c._core.active for c in _auto(trainer)] == [True, False]
+    explicit = package.callback(M.LOOPBACK)
+    trainer = M.trainer(tmp_path, [explicit], package=package)
+    package.module.seed_everything(0, verbose=False)
+    trainer.fit(make(), M.loader())
+    assert [c._core.active for c in _auto(trainer, package)] == [True, False]
+    # Also when the explicit one is the other package's class.
+    explicit = _other(package).callback(M.LOOPBACK)
+    trainer = M.trainer(tmp_path, [explicit], package=package)
+    trainer.fit(make(), M.loader())
+    (auto,) = _auto(trainer, package)
+    assert explicit._core.active and not auto._core.active
 
 
 @pytest.mark.parametrize(
     ("name", "value", "accepted"),
     [
-        ("SWAPOPT_LIGHTNING_AUTO", "maybe", "'1', 'true'"),
+        ("SWAPOPT_LIGHTNING_AUTO", "maybe", "a boolean (1/true/yes"),
         ("SWAPOPT_SWAP_TIMES", "0", "an integer >= 1"),
         ("SWAPOPT_MIN_NUMEL", "lots", "an integer >= 0"),
-        ("SWAPOPT_PACKED_SWAP", "sometimes", "'auto' (runtime default) or a boolean"),
+        ("SWAPOPT_PACKED_SWAP", "sometimes", "'auto' or null for the runtime's default, or a bool"),
         ("SWAPOPT_RUNTIME", "tpu", "'loopback'"),
         ("SWAPOPT_ACTIVATION_BUDGET_MB", "-4", "a number of MiB >= 0"),
+        ("SWAPOPT_ACTIVATION_RUNTIME", "ascend", "one of ['auto', 'cuda', 'loopback']"),
     ],
 )
-def test_invalid_env(tmp_path, monkeypatch, name, value, accepted) -> None:
+def test_invalid_env(tmp_path, monkeypatch, package, name, value, accepted) -> None:
     monkeypatch.setenv("SWAPOPT_LIGHTNING_AUTO", "1")
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=rf"{name}='{value}'.*{re.escape(accepted)}"):
-        M.trainer(tmp_path)
+        M.trainer(tmp_path, package=package)
 
 
 # ---- the docs -----------------------------------------------------------------------------

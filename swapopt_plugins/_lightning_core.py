@@ -1,10 +1,9 @@
 """What the Lightning callbacks do, with no Lightning import.
 
-``swapopt_plugins.lightning`` builds one thin ``Callback`` class per Lightning package
-(``pytorch_lightning`` and ``lightning.pytorch``); both delegate to ``SwapCallbackCore``.
-Nothing here computes: it decides when the optimizer swap is installed, re-offloaded and
-removed, when an activation-offload session opens and closes, and where an
-auto-registered callback takes its configuration from.
+``SwapCallbackCore`` holds the callback's state and decisions: when the optimizer swap is
+installed, re-offloaded and removed, and when an activation-offload session opens and
+closes. ``swapopt_plugins._lightning_hooks`` maps Lightning's hooks onto it, once for both
+packages; nothing here computes.
 """
 
 from __future__ import annotations
@@ -25,65 +24,13 @@ from swapopt_core import (
     swap_optimizer,
     unswap_optimizer,
 )
-from swapopt_plugins._env import offload_config_kwargs, resolve_settings, swap_config_kwargs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AUTO_ENV", "SwapCallbackCore", "auto_enabled", "config_from_env"]
+__all__ = ["SwapCallbackCore"]
 
-AUTO_ENV = "SWAPOPT_LIGHTNING_AUTO"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
 _STATE_VERSION = 1
 _BATCH_START = -1  # session key of windows opened at a batch start (else: the index stepped)
-
-
-# ---- configuration from the environment ----------------------------------------------------
-
-
-def auto_enabled(environ: Mapping[str, str]) -> bool:
-    """Whether ``SWAPOPT_LIGHTNING_AUTO`` asks for auto-registration.
-
-    Raises:
-        ValueError: The variable holds something other than a yes/no word.
-    """
-    raw = environ.get(AUTO_ENV, "").strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(
-        f"{AUTO_ENV}={environ[AUTO_ENV]!r} is not understood. "
-        f"Accepted values: {[*_TRUE, *_FALSE[:-1]]}."
-    )
-
-
-def config_from_env(
-    environ: Mapping[str, str],
-) -> tuple[SwapOptimizerConfig, OffloadConfig | None]:
-    """The callback's configuration from ``SWAPOPT_*`` environment variables.
-
-    Reads ``SWAPOPT_SWAP_TIMES``, ``SWAPOPT_MIN_NUMEL``, ``SWAPOPT_PACKED_SWAP`` (yes/no/auto),
-    ``SWAPOPT_RUNTIME`` and ``SWAPOPT_ACTIVATION_BUDGET_MB`` (unset: no activation offload),
-    with the parsing every integration shares (``swapopt_plugins._env``). Unset variables keep
-    ``SwapOptimizerConfig``'s defaults.
-
-    Returns:
-        The optimizer-swap config and the activation-offload config (or None).
-
-    Raises:
-        ValueError: A variable holds a value outside the accepted ones; the message names
-            the variable, the value and what is accepted.
-    """
-    settings = resolve_settings({}, owner="SwapOptimizerCallback", environ=environ)
-    offload = offload_config_kwargs(settings)
-    return (
-        SwapOptimizerConfig(**swap_config_kwargs(settings)),
-        None if offload is None else OffloadConfig(**offload),
-    )
-
-
-# ---- the callback's logic ------------------------------------------------------------------
 
 
 def _check_type(name: str, value: object, expected: type) -> None:
@@ -150,37 +97,6 @@ class SwapCallbackCore:
             logger.info(message, *args)
 
     # ---- fit start -------------------------------------------------------------------------
-
-    @staticmethod
-    def refusal(strategy: object) -> str | None:
-        """Why ``strategy`` cannot be served, or None when it can."""
-        names = {cls.__name__ for cls in type(strategy).__mro__}
-        if "DeepSpeedStrategy" in names:
-            zero = (getattr(strategy, "config", None) or {}).get("zero_optimization", {})
-            offloads = [
-                key
-                for key in ("offload_optimizer", "offload_param")
-                if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"
-            ]
-            already = f" and already offloads it ({', '.join(offloads)})" if offloads else ""
-            return (
-                f"SwapOptimizerCallback cannot run with {type(strategy).__name__}: DeepSpeed "
-                f"keeps the optimizer state inside its own ZeRO optimizer{already}. Use "
-                "DeepSpeedStrategy(offload_optimizer=True) without this callback, or keep the "
-                "callback and train with strategy='ddp' or FSDP without cpu_offload."
-            )
-        cpu_offload = getattr(strategy, "cpu_offload", None)
-        if "FSDPStrategy" in names and (
-            cpu_offload is True or getattr(cpu_offload, "offload_params", False)
-        ):
-            return (
-                f"SwapOptimizerCallback cannot run with {type(strategy).__name__}(cpu_offload="
-                f"{cpu_offload!r}): FSDP already keeps parameters, gradients and optimizer state "
-                "in host memory and steps there, so nothing is left on the device to swap. "
-                "Remove the callback, or set cpu_offload=False so the callback swaps only the "
-                "optimizer state."
-            )
-        return None
 
     def install(
         self,

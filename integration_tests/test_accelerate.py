@@ -23,9 +23,9 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DistributedType, patch_environment  # noqa: E402
 
-from swapopt_core import is_swap_optimizer, swap_stats  # noqa: E402
+from swapopt_core import OffloadConfig, is_swap_optimizer, swap_stats  # noqa: E402
 from swapopt_plugins import accelerate as swap_accelerate  # noqa: E402
-from swapopt_plugins._env import ENV_VARS  # noqa: E402
+from swapopt_plugins._options import ENV_VARS  # noqa: E402
 from swapopt_plugins.accelerate import SwapAccelerator, SwapOptimizerPlugin  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,7 +178,7 @@ def test_prepare_installs_once() -> None:
     model, optimizer = accelerator.prepare(*_objects()[:2])
     assert accelerator.prepare(optimizer) is optimizer
     swap_accelerate.prepare(accelerator, optimizer, plugin=_plugin(swap_times=5))
-    assert accelerator._swapopt_optimizers == [optimizer]
+    assert accelerator._swapopt.optimizers == [optimizer]
     model(torch.randn(2, 8)).sum().backward()
     optimizer.step()
     assert swap_stats(optimizer.optimizer).batches == 3  # still swap_times=3, not 5
@@ -234,6 +234,28 @@ def test_function_form_resume_with_offload_call(tmp_path: Path) -> None:
     accelerator.load_state(str(tmp_path))
     assert offload_optimizer_state(optimizer.optimizer) >= 0
     assert swap_stats(optimizer.optimizer).resident_state_bytes == 0
+    # The function of the same name as SwapAccelerator.load_state does both steps.
+    swap_accelerate.load_state(accelerator, str(tmp_path))
+    assert swap_stats(optimizer.optimizer).resident_state_bytes == 0
+
+
+def test_one_state_object_for_both_forms() -> None:
+    """Both forms keep everything under one attribute and share it."""
+    plugin = _plugin(activation_budget_mb=1)
+    swapping = SwapAccelerator(cpu=True, swap_plugin=plugin)
+    _, optimizer = _train(swapping, stop=1)
+    assert [k for k in vars(swapping) if "swapopt" in k] == ["_swapopt"]
+    state = swapping._swapopt
+    assert state.plugin is swapping.swap_plugin is plugin and state.optimizers == [optimizer]
+    assert swap_accelerate.offload_session(swapping) is swapping.offload_session()
+    swap_accelerate.prepare(swapping, optimizer)  # the function on a SwapAccelerator: no-op
+    assert swapping._swapopt is state and state.optimizers == [optimizer]
+    _reset()
+    plain = Accelerator(cpu=True)
+    _, optimizer = _train(plain, function_form=plugin, stop=1)
+    assert [k for k in vars(plain) if "swapopt" in k] == ["_swapopt"]
+    assert plain._swapopt.plugin is plugin and plain._swapopt.optimizers == [optimizer]
+    assert not hasattr(optimizer, "_swapopt_prepared")
 
 
 def test_free_memory_unswaps_and_drops() -> None:
@@ -283,6 +305,17 @@ def test_fields_override_env() -> None:
     assert plugin.swap_config().swap_times == 7 and plugin.offload_config() is None
 
 
+def test_activation_runtime_is_its_own_setting() -> None:
+    """SWAPOPT_RUNTIME is the optimizer swap's; the activations follow their own variable."""
+    with patch_environment(SWAPOPT_RUNTIME="loopback", SWAPOPT_ACTIVATION_BUDGET_MB="2"):
+        plugin = SwapOptimizerPlugin()
+    assert plugin.swap_config().runtime == "loopback" and plugin.activation_runtime == "auto"
+    assert plugin.offload_config() == OffloadConfig(max_resident_activation_mb=2, runtime="auto")
+    with patch_environment(SWAPOPT_ACTIVATION_RUNTIME="loopback"):
+        plugin = SwapOptimizerPlugin(activation_budget_mb=1)
+    assert plugin.offload_config().runtime == "loopback" and plugin.runtime == "auto"
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "accepted"),
     [
@@ -296,6 +329,7 @@ def test_fields_override_env() -> None:
         ("SWAPOPT_RUNTIME", "tpu", "'loopback'"),
         ("SWAPOPT_ACTIVATION_BUDGET_MB", "lots", "MiB >= 0"),
         ("SWAPOPT_ACTIVATION_BUDGET_MB", "-5", "MiB >= 0"),
+        ("SWAPOPT_ACTIVATION_RUNTIME", "ascend", "one of ['auto', 'cuda', 'loopback']"),
     ],
 )
 def test_invalid_env_value_is_named(variable: str, value: str, accepted: str) -> None:
@@ -315,6 +349,7 @@ def test_invalid_env_value_is_named(variable: str, value: str, accepted: str) ->
         ("packed_swap", 2),
         ("runtime", "gpu"),
         ("activation_budget_mb", -1.0),
+        ("activation_runtime", "gpu"),
     ],
 )
 def test_invalid_field_is_named(field: str, value: object) -> None:

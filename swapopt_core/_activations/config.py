@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from swapopt_core._options import Option, parse_choice, parse_mib, parse_name, read_options
+from swapopt_core._planning.interface import AUTO, DEFAULT_MIN_OFFLOAD_BYTES
 
 __all__ = ["RUNTIMES", "OffloadConfig"]
 
@@ -33,13 +34,17 @@ class OffloadConfig:
             activations. When it is reached, a storage that would be offloaded stays on the
             device instead (counted in ``OffloadStats.host_cap_refusals``): no data is ever
             dropped. Default: 65536.
-        planner: Name of a registered residency planner. ``"auto"`` is the built-in
-            time-aware planner (``"timed"``). Default: "auto".
-        runtime: ``"auto"`` (CUDA when the activations are on CUDA, else loopback),
-            ``"cuda"``, or ``"loopback"`` (CPU tensors play the device). Default: "auto".
+        planner: Name of a registered residency planner. ``"auto"`` is
+            ``swapopt_core._planning.interface.DEFAULT_PLANNER``, the built-in time-aware
+            planner ``"timed"``. Default: "auto".
+        runtime: ``"auto"`` follows the activations: at an entry's first op, the CUDA
+            runtime when that op's tensors are on a CUDA device, loopback otherwise.
+            ``"cuda"`` (the current CUDA device) or ``"loopback"`` (CPU tensors play the
+            device) choose one outright. Default: "auto".
         min_offload_kib: Storages smaller than this are left on the device unless the
             budget cannot be met otherwise (a copy's fixed cost outweighs what they free);
-            the warmup never evicts them. Default: 1024 (1 MiB).
+            the warmup never evicts them, and the trace carries it to the planner
+            (``ActivationTrace.min_offload_bytes``). Default: 1024 (1 MiB).
 
     Raises:
         TypeError: A field has the wrong type.
@@ -48,9 +53,9 @@ class OffloadConfig:
 
     max_resident_activation_mb: float = 1024
     max_offload_activation_mb: float = 65536
-    planner: str = "auto"
+    planner: str = AUTO
     runtime: str = "auto"
-    min_offload_kib: float = 1024
+    min_offload_kib: float = DEFAULT_MIN_OFFLOAD_BYTES // 2**10
 
     def __post_init__(self) -> None:
         _number("max_resident_activation_mb", self.max_resident_activation_mb, minimum=0)

@@ -1,306 +1,251 @@
-"""The dispatch-mode executor: warmup tracing with online eviction, and schedule replay.
+"""The executor of an ``OffloadSession``: it runs each entry and decides what it becomes.
 
-Every aten op inside a session passes through ``dispatch``. In **warmup** the executor
-records the op (name, duration, the storages it reads and writes), registers the storages
-it creates, and evicts the oldest (then largest) activations whenever the budget is
-exceeded; an evicted storage is paged back in the moment an op touches it. In **replay**
-it applies a planned ``ResidencySchedule`` before and after each op. A replay whose ops
-stop matching the trace restores everything and finishes the step as an untraced warmup,
-and the next entry traces again.
+The session calls ``enter()`` and ``exit()`` around every entry; everything in between is
+the executor's: which runtime serves the activations, whether the entry traces or replays,
+what a replay that leaves its plan does, and when a plan is dropped. The plan is the
+serialised contract, an ``ActivationTrace`` and its ``ResidencySchedule``: fresh from the
+planner or read back from JSON, it is all a replay consults (see ``entry.py``).
+
+The rules, in one place:
+
+- With no plan, an entry is a **warmup**: it traces the step and the planner plans it.
+- With a plan, it **replays** it. When an op differs from the trace at the very first op (a
+  step of new shapes), the entry traces from scratch and re-plans. Later, it finishes as a
+  warmup without a trace and the plan stays for the next step; a replay that ends before
+  its trace does counts the same. The same plan missed twice in a row is dropped, and the
+  next entry traces again.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from swapopt_core._activations.residency import HostPool, Residency, Tracked
-from swapopt_core._activations.runtime import ActivationRuntime
-from swapopt_core._planning.ir import (
-    Access,
-    AccessKind,
-    Action,
-    ActionKind,
-    ResidencySchedule,
-    TraceOp,
+from swapopt_core._activations.config import OffloadConfig
+from swapopt_core._activations.entry import Entry
+from swapopt_core._activations.residency import HostPool
+from swapopt_core._activations.runtime import (
+    ActivationRuntime,
+    CudaActivationRuntime,
+    choose_runtime,
 )
+from swapopt_core._planning.interface import ResidencyPlanner
+from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Executor", "OpGuide"]
+__all__ = ["Executor", "Verdict"]
 
 
-@dataclass(frozen=True)
-class OpGuide:
-    """What replay expects of op ``i``: its name, the storages its outputs create
-    (``(leaf index, sid, bytes)``) and the tracked storages it writes in place."""
+class Verdict(enum.Enum):
+    """What an entry turned out to be."""
 
-    name: str
-    outputs: tuple[tuple[int, int, int], ...] = ()
-    writes: tuple[int, ...] = ()
+    REPLAYED = "replayed"  # the plan ran to its end
+    MISSED = "missed"  # the replay left its plan after the first op; the plan stays
+    DROPPED = "dropped"  # the second miss in a row: the plan is gone, the next entry traces
+    TRACED = "traced"  # a warmup traced the step, and it was planned
+    RETRACED = "retraced"  # the replay left its plan at the first op: traced and re-planned
 
+    @property
+    def traced(self) -> bool:
+        return self in (Verdict.TRACED, Verdict.RETRACED)
 
-@dataclass
-class _Open:
-    """An op between its begin and its end."""
-
-    index: int
-    name: str
-    start: Any
-    inputs: set[torch.UntypedStorage] = field(default_factory=set)
-    accesses: dict[int, AccessKind] = field(default_factory=dict)
-
-
-def _storage(value: object) -> torch.UntypedStorage | None:
-    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
-        return None
-    try:
-        return value.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensors ``func`` writes in place, matched by schema argument (position or name)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
-    written = []
-    for position, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
-        written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    return written
-
-
-class _Mode(TorchDispatchMode):
-    def __init__(self, executor: Executor) -> None:
-        super().__init__()
-        self.executor = executor
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        return self.executor.dispatch(func, args, kwargs or {})
+    @property
+    def missed(self) -> bool:
+        return self in (Verdict.MISSED, Verdict.DROPPED, Verdict.RETRACED)
 
 
 class Executor:
-    """One entry of an ``OffloadSession``: a warmup or a replay of a schedule."""
+    """Runs the entries of one session under its config, with its planner.
 
-    def __init__(
-        self,
-        runtime: ActivationRuntime,
-        pool: HostPool,
-        budget_bytes: int,
-        min_offload_bytes: int,
-        *,
-        schedule: ResidencySchedule | None = None,
-        guide: list[OpGuide] | None = None,
-    ) -> None:
-        self.runtime = runtime
-        self.residency = Residency(runtime, pool)
-        self.budget = budget_bytes
-        self.min_offload = min_offload_bytes
-        self.replaying = schedule is not None
-        self.recording = not self.replaying
-        self.diverged = False
-        self.schedule = schedule or ResidencySchedule()
-        self.guide: list[OpGuide] = guide if guide is not None else []
-        self.op = -1
-        self.opaque = 0
-        self.next_sid = 1 + max((sid for g in self.guide for _, sid, _ in g.outputs), default=0)
-        self.ops: list[tuple[str, Any, Any, tuple[Access, ...]]] = []
-        self._virtual: list[_Open] = []
-        self.mode = _Mode(self)
-        self.closed = False  # set when the entry ends; a late backward region is ignored
+    Args:
+        config: The session's budget, host cap, runtime and size threshold.
+        planner: What plans each new trace.
+    """
 
-    # ---- the op path ---------------------------------------------------------------------
-
-    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if self.opaque:
-            self._ready_inputs((args, kwargs))
-            return func(*args, **kwargs)
-        name = func.__name__
-        if self.replaying and not self._matches(name):
-            self._diverge(f"op {self.op + 1} is {name}")
-        opened = self._begin(name, (args, kwargs), _written(func, args, kwargs))
-        return self._end(opened, func(*args, **kwargs))
-
-    def _matches(self, name: str) -> bool:
-        index = self.op + 1
-        return index < len(self.guide) and self.guide[index].name == name
-
-    def _begin(self, name: str, inputs: object, written: list[torch.Tensor]) -> _Open:
-        self.op += 1
-        opened = _Open(self.op, name, None)
-        if self.replaying:
-            for action in self.schedule.pre.get(self.op, ()):
-                self._apply(action)
-            for sid in self.guide[self.op].writes:
-                entry = self.residency.by_sid.get(sid)
-                if entry is not None:
-                    self.residency.written(entry)
-            self._ready_inputs(inputs)
-        else:
-            writes = {id(t) for t in written}
-            for value in tree_leaves(inputs):
-                storage = _storage(value)
-                if storage is None:
-                    continue
-                opened.inputs.add(storage)
-                entry = self.residency.by_storage.get(storage)
-                if entry is None:
-                    continue
-                self.residency.ready(entry)
-                if id(value) in writes:
-                    opened.accesses[entry.sid] = AccessKind.WRITE
-                    self.residency.written(entry)
-                else:
-                    opened.accesses.setdefault(entry.sid, AccessKind.READ)
-        opened.start = self.runtime.stamp() if self.recording else None
-        return opened
-
-    def _end(self, opened: _Open, out: Any) -> Any:
-        end = self.runtime.stamp() if self.recording else None
-        if self.replaying:
-            self._bind_replay(opened.index, out)
-            for action in self.schedule.post.get(opened.index, ()):
-                self._apply(action)
-            return out
-        bindings = []
-        for position, value in enumerate(tree_leaves(out)):
-            storage = _storage(value)
-            if storage is None or storage in opened.inputs or not self._ours(storage):
-                continue
-            known = self.residency.by_storage.get(storage)
-            if known is not None:
-                opened.accesses[known.sid] = AccessKind.WRITE
-                continue
-            entry = self.residency.track(storage, self.next_sid, opened.index)
-            self.next_sid += 1
-            opened.accesses[entry.sid] = AccessKind.WRITE
-            bindings.append((position, entry.sid, entry.nbytes))
-        if self.recording:
-            accesses = tuple(Access(sid, kind) for sid, kind in opened.accesses.items())
-            self.ops.append((opened.name, opened.start, end, accesses))
-            written = tuple(
-                sid
-                for sid, kind in opened.accesses.items()
-                if kind is AccessKind.WRITE and sid not in {b[1] for b in bindings}
-            )
-            self.guide.append(OpGuide(opened.name, tuple(bindings), written))
-        self._evict(protected=set(opened.accesses))
-        return out
-
-    def _ours(self, storage: torch.UntypedStorage) -> bool:
-        if storage.nbytes() == 0:
-            return False
-        device = storage.device
-        if self.runtime.name == "loopback":
-            return device.type == "cpu"
-        return device == self.runtime.device  # type: ignore[attr-defined]
-
-    def _ready_inputs(self, inputs: object) -> None:
-        residency = self.residency
-        if not residency.released and not residency.pending_in:
-            return  # nothing is away or in flight: the common, cheap case
-        for value in tree_leaves(inputs):
-            storage = _storage(value)
-            entry = residency.by_storage.get(storage) if storage is not None else None
-            if entry is not None:
-                residency.ready(entry)
-
-    # ---- warmup: online eviction ---------------------------------------------------------
-
-    def _evict(self, protected: set[int]) -> None:
-        residency = self.residency
-        if residency.resident_bytes <= self.budget:
-            return
-        candidates = sorted(
-            (
-                e
-                for e in residency.by_sid.values()
-                if e.alive
-                and e.resident
-                and e.sid not in protected
-                and e.nbytes >= self.min_offload
-            ),
-            key=lambda e: (e.produced_at, -e.nbytes),
+    def __init__(self, config: OffloadConfig, planner: ResidencyPlanner) -> None:
+        self.config = config
+        self.planner = planner
+        self.budget_bytes = config.budget_bytes
+        self.min_offload_bytes = config.min_offload_bytes
+        self.trace: ActivationTrace | None = None
+        self.schedule: ResidencySchedule | None = None
+        self.entry: Entry | None = None
+        self.runtime: ActivationRuntime | None = None
+        self.pool: HostPool | None = None
+        self._bandwidth: tuple[ActivationRuntime, tuple[float, float]] | None = None
+        self._misses = 0  # replays in a row that left the current plan
+        self.counts = dict.fromkeys(
+            ("warmups", "replays", "retraces", "d2h", "h2d", "peak", "last_peak", "refusals"), 0
         )
-        for entry in candidates:
-            if residency.resident_bytes <= self.budget:
-                break
-            if residency.copy_out(entry):
-                residency.release(entry)
 
-    # ---- replay --------------------------------------------------------------------------
+    # ---- the plan ------------------------------------------------------------------------
 
-    def _bind_replay(self, index: int, out: Any) -> None:
-        outputs = self.guide[index].outputs
-        if not outputs:
-            return
-        leaves = tree_leaves(out)
-        for position, sid, nbytes in outputs:
-            storage = _storage(leaves[position]) if position < len(leaves) else None
-            if storage is None or storage.nbytes() != nbytes:
-                # Its outputs stay untracked (never offloaded): safe, just not in budget.
-                self._diverge(f"op {index} ({self.guide[index].name}) made other outputs")
-                return
-            if storage not in self.residency.by_storage:
-                self.residency.track(storage, sid, index)
+    def adopt(self, trace: ActivationTrace, schedule: ResidencySchedule) -> None:
+        """Replay ``schedule`` for ``trace`` from the next entry on."""
+        self.trace, self.schedule = trace, schedule
+        self._misses = 0
 
-    def _apply(self, action: Action) -> None:
-        entry: Tracked | None = self.residency.by_sid.get(action.storage_id)
-        if entry is None or not entry.alive:
-            return
-        kind = action.kind
-        if kind is ActionKind.COPY_D2H:
-            self.residency.copy_out(entry)
-        elif kind is ActionKind.RELEASE_DEVICE:
-            self.residency.release(entry)
-        elif kind is ActionKind.COPY_H2D:
-            self.residency.copy_in(entry)
-        elif kind is ActionKind.RELEASE_HOST:
-            self.residency.release_host(entry)
+    def load(self, trace: ActivationTrace, schedule: ResidencySchedule) -> None:
+        """``adopt`` a plan from elsewhere (JSON files), after checking it can drive a replay.
 
-    def _diverge(self, why: str) -> None:
-        """Stop replaying: bring everything back and finish the step as a warmup."""
-        logger.info("activation replay diverged from the trace (%s); tracing again", why)
-        self.residency.restore_all()
-        self.diverged = True
-        self.replaying = False
-        self.recording = self.op < 0  # a full trace only if nothing ran yet
-        self.guide = [] if self.recording else self.guide
+        Raises:
+            TypeError: ``trace`` or ``schedule`` has the wrong type.
+            ValueError: The trace lacks the output positions a replay binds storages by (only
+                a session records them), or the schedule names ops or storages the trace
+                does not have.
+        """
+        if not isinstance(trace, ActivationTrace):
+            raise TypeError(f"trace must be an ActivationTrace, got {type(trace).__name__}.")
+        if not isinstance(schedule, ResidencySchedule):
+            raise TypeError(f"schedule must be a ResidencySchedule, got {type(schedule).__name__}.")
+        made = {a.storage_id for op in trace.ops for a in op.accesses if a.output is not None}
+        unplaced = sorted(set(trace.storage_sizes) - made)
+        if unplaced:
+            raise ValueError(
+                f"The trace cannot drive a replay: storage {unplaced[0]} (and "
+                f"{len(unplaced) - 1} more) has no output position on the access that creates "
+                "it. Pass a trace an OffloadSession recorded (session.trace.to_json())."
+            )
+        for side, op, action in schedule.actions():
+            if not 0 <= op < len(trace.ops) or action.storage_id not in trace.storage_sizes:
+                raise ValueError(
+                    f"The schedule does not fit the trace: {side} op {op} {action.kind.value} "
+                    f"storage {action.storage_id}, but the trace has {len(trace.ops)} ops and "
+                    "no such storage or op. Pass the schedule planned for this trace "
+                    "(swapopt plan --trace ...)."
+                )
+        self.adopt(trace, schedule)
 
-    # ---- opaque regions ------------------------------------------------------------------
+    # ---- entries -------------------------------------------------------------------------
 
-    def begin_virtual(self, name: str, inputs: object) -> None:
-        """Start a region that counts as one op ``name`` (``skip_offload``)."""
-        if self.closed:
-            return
-        if self.replaying and not self._matches(name):
-            self._diverge(f"op {self.op + 1} is the region {name}")
-        self._virtual.append(self._begin(name, inputs, []))
-        self.opaque += 1
+    def enter(self) -> None:
+        """Start an entry: a replay of the plan if there is one, else a warmup."""
+        if self.runtime is None and self.config.runtime != "auto":
+            # A named runtime is made at once, so a missing CUDA fails here and not in an op.
+            self._use(choose_runtime(self.config.runtime))
+        if self.trace is not None and self.schedule is not None:
+            self.entry = Entry(self, self.trace, self.schedule)
+        else:
+            self.entry = Entry(self)
+        self.entry.mode.__enter__()
 
-    def end_virtual(self, outputs: object) -> None:
-        if self.closed or not self._virtual:
-            return
-        self.opaque = max(0, self.opaque - 1)
-        self._end(self._virtual.pop(), outputs)
+    def exit(
+        self, exc_type: object = None, exc: object = None, tb: object = None
+    ) -> Verdict | None:
+        """End the entry; when it ended without an exception, decide and plan.
 
-    # ---- end of the entry ----------------------------------------------------------------
+        Returns:
+            The verdict, or ``None`` after an exception (which decides nothing).
+        """
+        entry = self.entry
+        assert entry is not None
+        entry.mode.__exit__(exc_type, exc, tb)
+        try:
+            if exc_type is not None:
+                return None
+            verdict = self._judge(entry)
+            counts = self.counts
+            counts["warmups"] += verdict.traced
+            counts["retraces"] += verdict.missed
+            counts["replays"] += verdict is Verdict.REPLAYED
+            if verdict.traced:
+                self._plan(entry)
+            return verdict
+        finally:
+            entry.close()
+            self.entry = None
+            self._tally(entry)
 
-    def trace_ops(self) -> list[TraceOp]:
-        """The recorded ops with their durations (needs every stamp to be complete)."""
-        return [
-            TraceOp(name, self.runtime.elapsed_ms(start, end), accesses)
-            for name, start, end, accesses in self.ops
-        ]
+    def _tally(self, entry: Entry) -> None:
+        """Add what the entry moved and held to the session's counts."""
+        residency, counts = entry.residency, self.counts
+        counts["last_peak"] = residency.peak_bytes if residency is not None else 0
+        counts["peak"] = max(counts["peak"], counts["last_peak"])
+        if residency is not None:
+            counts["d2h"] += residency.d2h_bytes
+            counts["h2d"] += residency.h2d_bytes
+            counts["refusals"] += residency.host_cap_refusals
 
-    def retained(self) -> frozenset[int]:
-        return frozenset(e.sid for e in self.residency.by_sid.values() if e.alive)
+    def trace_after_miss(self, ops_done: int) -> bool:
+        """Whether a replay that left its plan after ``ops_done`` ops traces from scratch.
+
+        Only when nothing ran yet: a step of new shapes gets a trace and a plan of its own.
+        Later, the entry finishes untraced; ``exit`` then weighs the miss.
+        """
+        return ops_done == 0
+
+    def _judge(self, entry: Entry) -> Verdict:
+        if entry.replayed_to_end:
+            self._misses = 0
+            return Verdict.REPLAYED
+        if entry.replaying:  # it ended early: its ops differ from the trace
+            logger.info(
+                "activation replay ran %d of %d traced ops", entry.op + 1, entry.ops_planned
+            )
+        elif entry.recording:
+            self._misses = 0
+            return Verdict.RETRACED if entry.diverged else Verdict.TRACED
+        # NOTE: a one-off step (Lightning logs differently on an epoch's first batch) keeps the
+        # plan; the same plan missed twice in a row is traced again.
+        self._misses += 1
+        if self._misses < 2:
+            return Verdict.MISSED
+        self.schedule, self._misses = None, 0
+        return Verdict.DROPPED
+
+    def _plan(self, entry: Entry) -> None:
+        runtime = entry.runtime
+        if isinstance(runtime, CudaActivationRuntime):
+            # Op durations are read from events: they must all have completed.
+            torch.cuda.synchronize(runtime.device)
+        d2h, h2d = self._bandwidths(runtime or self.runtime or ActivationRuntime())
+        trace = ActivationTrace(
+            tuple(entry.trace_ops()),
+            entry.storage_sizes(),
+            entry.retained(),
+            self.budget_bytes,
+            d2h,
+            h2d,
+            self.min_offload_bytes,
+        )
+        schedule = self.planner.plan(trace)
+        self.adopt(trace, schedule)
+        logger.info(
+            "activation warmup traced %d ops, %d storages; planned %d actions",
+            len(trace.ops),
+            len(trace.storage_sizes),
+            len(schedule),
+        )
+
+    # ---- the runtime ---------------------------------------------------------------------
+
+    def runtime_for(self, device: torch.device) -> tuple[ActivationRuntime, HostPool]:
+        """The runtime and host pool for an entry whose first tensor is on ``device``.
+
+        With ``runtime="auto"`` they follow the activations: an entry whose tensors are on
+        another device than the last one's gets a runtime (and host pool) of its own. A named
+        runtime was made at the first entry and serves them all.
+        """
+        runtime = self.runtime
+        if runtime is None or (
+            self.config.runtime == "auto"
+            and not runtime.serves(device)
+            and (device.type == "cuda" or runtime.name != "loopback")
+        ):
+            self._use(choose_runtime("auto", device))
+            logger.info(
+                "activation offload: %s runtime for tensors on %s", self.runtime.name, device
+            )
+        return self.runtime, self.pool
+
+    def _use(self, runtime: ActivationRuntime) -> None:
+        self.runtime, self.pool = runtime, HostPool(runtime, self.config.host_cap_bytes)
+
+    def _bandwidths(self, runtime: ActivationRuntime) -> tuple[float, float]:
+        """D2H and H2D bandwidth of ``runtime``, measured once."""
+        if self._bandwidth is None or self._bandwidth[0] is not runtime:
+            self._bandwidth = (runtime, runtime.measure_bandwidth())
+        return self._bandwidth[1]

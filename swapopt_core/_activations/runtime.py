@@ -19,7 +19,7 @@ from swapopt_core._torch.pinned import alloc_pinned
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ActivationRuntime", "CudaActivationRuntime", "byte_view"]
+__all__ = ["ActivationRuntime", "CudaActivationRuntime", "byte_view", "choose_runtime"]
 
 
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -27,10 +27,41 @@ def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def choose_runtime(wanted: str, device: torch.device | None = None) -> ActivationRuntime:
+    """The runtime that ``OffloadConfig.runtime`` names.
+
+    Args:
+        wanted: ``"auto"`` follows ``device``: the CUDA runtime on that CUDA device, loopback
+            for anything else (CPU tensors are then the "device" and their copies go to
+            other CPU buffers). ``"cuda"`` is the current CUDA device, ``"loopback"`` CPU
+            tensors, wherever the activations are.
+        device: Where the activations are (the device of the first tensor an entry sees);
+            what ``"auto"`` follows.
+
+    Raises:
+        RuntimeError: ``"cuda"`` is asked for and CUDA is not available.
+    """
+    if wanted == "auto" and device is not None and device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return CudaActivationRuntime(torch.device("cuda", index))
+    if wanted != "cuda":
+        return ActivationRuntime()
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "OffloadConfig.runtime='cuda' but CUDA is not available. Use runtime='loopback' "
+            "to run the offload on CPU, or 'auto' to follow the activations."
+        )
+    return CudaActivationRuntime(torch.device("cuda", torch.cuda.current_device()))
+
+
 class ActivationRuntime:
     """Loopback behaviour; the CUDA runtime overrides the parts that involve streams."""
 
     name = "loopback"
+
+    def serves(self, device: torch.device) -> bool:
+        """Whether storages on ``device`` are the ones this runtime moves."""
+        return device.type == "cpu"
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -88,6 +119,9 @@ class CudaActivationRuntime(ActivationRuntime):
         self.device = device
         self.d2h = torch.cuda.Stream(device=device)
         self.h2d = torch.cuda.Stream(device=device)
+
+    def serves(self, device: torch.device) -> bool:
+        return device == self.device
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         host, error = alloc_pinned(nbytes, torch.uint8)

@@ -131,7 +131,10 @@ def _demo_command(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
-_PLANNER_HELP = "registered planner to use; auto = the default, timed (default: %(default)s)"
+def _planner_help() -> str:
+    from swapopt_core._planning.interface import AUTO, DEFAULT_PLANNER
+
+    return f"registered planner to use; {AUTO} = the default, {DEFAULT_PLANNER} (default: {AUTO})"
 
 
 @_command("plan", "plan a recorded activation trace under a memory budget")
@@ -148,15 +151,9 @@ def _plan_command(parser: argparse.ArgumentParser) -> Handler:
     )
     add = parser.add_argument
     add("--trace", required=True, metavar="T.json", help="the activation trace to plan")
-    add(
-        "--budget-mb",
-        required=True,
-        type=float,
-        metavar="MB",
-        help="activation budget on the device, in MiB",
-    )
+    add("--budget-mb", required=True, metavar="MB", help="activation budget on the device, in MiB")
     add("--out", required=True, metavar="P.json", help="where to write the schedule")
-    add("--planner", default="auto", help=_PLANNER_HELP)
+    add("--planner", default="auto", help=_planner_help())
 
     def run(args: argparse.Namespace) -> int:
         try:
@@ -190,13 +187,12 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
     add("--schedule", metavar="P.json", help="a schedule written by `swapopt plan` for this trace")
     add(
         "--budget-mb",
-        type=float,
         metavar="MB",
         help="activation budget in MiB: without --schedule, plan the trace under it now; "
         "with --schedule, only draw it (default: the trace's own budget)",
     )
     add("--out", required=True, metavar="timeline.png", help="the image to write")
-    add("--planner", default="auto", help=_PLANNER_HELP + "; with --budget-mb only")
+    add("--planner", default="auto", help=_planner_help() + "; with --budget-mb only")
 
     def run(args: argparse.Namespace) -> int:
         from swapopt_core._cli.plot import plot_timeline

@@ -15,8 +15,9 @@ import pluggy
 from rich.console import Group
 from rich.table import Table
 
+from swapopt_core._options import Invalid, parse_mib
 from swapopt_core._planning.bounds import min_feasible_budget, overhead_lower_bound
-from swapopt_core._planning.interface import ResidencyPlanner
+from swapopt_core._planning.interface import DEFAULT_PLANNER, ResidencyPlanner, resolve_planner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 from swapopt_core._planning.simulate import SimulationResult, simulate
 
@@ -38,8 +39,7 @@ __all__ = [
 ]
 
 MIB = 1 << 20
-#: What ``--planner auto`` (the default) selects.
-DEFAULT_PLANNER = "timed"
+_MIB = parse_mib(allow_none=False)
 
 
 class CommandError(Exception):
@@ -105,14 +105,20 @@ def simulate_checked(
         ) from None
 
 
-def budget_bytes(megabytes: float, flag: str = "--budget-mb") -> int:
-    """``megabytes`` MiB in bytes (rounded down); negative or not finite is refused."""
-    if not math.isfinite(megabytes) or megabytes < 0:
+def budget_bytes(megabytes: str | float, flag: str = "--budget-mb") -> int:
+    """``megabytes`` MiB (a number or its text) in bytes, rounded down.
+
+    It is read like every size option (``swapopt_core._options.parse_mib``); negative, not
+    finite or not a number is refused.
+    """
+    try:
+        value = _MIB(megabytes)
+    except Invalid:
         raise CommandError(
-            f"{flag} {megabytes:g}: the activation budget must be a finite number of MiB >= 0. "
+            f"{flag} {megabytes}: the activation budget must be a finite number of MiB >= 0. "
             f"Pass for example {flag} 512."
-        )
-    return int(megabytes * MIB)
+        ) from None
+    return int(value * MIB)
 
 
 def choose_planner(
@@ -121,20 +127,10 @@ def choose_planner(
     """The registered planner called ``name`` (``auto``: the default planner)."""
     from swapopt_core._plugins import residency_planners
 
-    planners = residency_planners(manager)
-    wanted = DEFAULT_PLANNER if name == "auto" else name
-    if wanted not in planners:
-        choices = ", ".join(sorted({"auto", *planners}))
-        problem = (
-            f"the default planner {wanted!r} is not registered"
-            if name == "auto"
-            else "no planner is registered under that name"
-        )
-        raise CommandError(
-            f"{flag} {name}: {problem}. Choose one of: {choices}; "
-            "or install the plugin that provides it (swapopt_register_planners)."
-        )
-    return planners[wanted]
+    try:
+        return resolve_planner(name, residency_planners(manager), label="planner")
+    except ValueError as error:
+        raise CommandError(f"{flag} {name}: {error}") from None
 
 
 def plan_trace(
@@ -149,7 +145,7 @@ def plan_trace(
 
 def plan_file(
     trace_path: str,
-    budget_mb: float,
+    budget_mb: str | float,
     planner_name: str,
 ) -> tuple[ActivationTrace, ResidencySchedule, str]:
     """The trace in ``trace_path`` under ``budget_mb`` MiB, the schedule the registered

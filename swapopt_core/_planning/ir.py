@@ -6,16 +6,22 @@ it). A schedule lists residency actions to issue before (``pre``) or after (``po
 See ``docs/formats.md`` for the JSON schema and the exact meaning of every action.
 
 Bandwidths are in GB/s (10**9 bytes per second).
+
+The trace is also what a session replays: with the schedule, it is the whole contract between
+the planner and the executor (op names to match, where each op's new storages are among its
+outputs), so a trace and a schedule read back from JSON drive a replay like fresh ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
 __all__ = [
+    "DEFAULT_MIN_OFFLOAD_BYTES",
     "Access",
     "AccessKind",
     "Action",
@@ -24,6 +30,10 @@ __all__ = [
     "ResidencySchedule",
     "TraceOp",
 ]
+
+#: Storages smaller than this are offloaded only when the budget cannot be met otherwise;
+#: what a trace that does not say (``min_offload_bytes``) asks of its planner. 1 MiB.
+DEFAULT_MIN_OFFLOAD_BYTES = 2**20
 
 
 class AccessKind(str, Enum):
@@ -44,10 +54,19 @@ class ActionKind(str, Enum):
 
 @dataclass(frozen=True)
 class Access:
-    """One op's access to one storage."""
+    """One op's access to one storage.
+
+    Attributes:
+        storage_id: The storage.
+        kind: ``READ``, or ``WRITE`` (created or modified it).
+        output: On the access that creates the storage in a trace a session recorded: the
+            position of the new tensor among the op's outputs, flattened (pytree leaf order).
+            Replay finds the storage there. ``None`` everywhere else.
+    """
 
     storage_id: int
     kind: AccessKind
+    output: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +97,10 @@ class ActivationTrace:
         memory_limit_bytes: Device budget for activation storages; ``None`` = unlimited.
         d2h_bandwidth_gbps: Device-to-host copy bandwidth in GB/s.
         h2d_bandwidth_gbps: Host-to-device copy bandwidth in GB/s.
+        min_offload_bytes: Storages smaller than this are offloaded only when the budget
+            cannot be met otherwise (a copy's fixed cost outweighs what they free). A session
+            writes its ``OffloadConfig.min_offload_kib`` here, so a saved trace is planned
+            again as the session planned it.
     """
 
     ops: tuple[TraceOp, ...]
@@ -86,11 +109,13 @@ class ActivationTrace:
     memory_limit_bytes: int | None = None
     d2h_bandwidth_gbps: float = 16.0
     h2d_bandwidth_gbps: float = 16.0
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
         object.__setattr__(self, "storage_sizes", dict(self.storage_sizes))
         object.__setattr__(self, "retained_sids", frozenset(self.retained_sids))
+        object.__setattr__(self, "min_offload_bytes", int(self.min_offload_bytes))
         _check_positive("d2h_bandwidth_gbps", self.d2h_bandwidth_gbps)
         _check_positive("h2d_bandwidth_gbps", self.h2d_bandwidth_gbps)
         if self.memory_limit_bytes is not None and self.memory_limit_bytes < 0:
@@ -98,17 +123,14 @@ class ActivationTrace:
                 "ActivationTrace.memory_limit_bytes must be >= 0 or None, "
                 f"got {self.memory_limit_bytes!r}."
             )
+        if self.min_offload_bytes < 0:
+            raise ValueError(
+                f"ActivationTrace.min_offload_bytes must be >= 0, got {self.min_offload_bytes!r}."
+            )
 
     def with_limit(self, memory_limit_bytes: int | None) -> ActivationTrace:
         """The same trace under another budget."""
-        return ActivationTrace(
-            self.ops,
-            self.storage_sizes,
-            self.retained_sids,
-            memory_limit_bytes,
-            self.d2h_bandwidth_gbps,
-            self.h2d_bandwidth_gbps,
-        )
+        return dataclasses.replace(self, memory_limit_bytes=memory_limit_bytes)
 
     def to_json(self) -> str:
         """Serialise in the schema of ``docs/formats.md``."""
@@ -118,9 +140,7 @@ class ActivationTrace:
                     {
                         "name": op.name,
                         "duration_ms": op.duration_ms,
-                        "accesses": [
-                            {"storage_id": a.storage_id, "kind": a.kind.value} for a in op.accesses
-                        ],
+                        "accesses": [_access_json(a) for a in op.accesses],
                     }
                     for op in self.ops
                 ],
@@ -131,6 +151,7 @@ class ActivationTrace:
                 "memory_limit_bytes": self.memory_limit_bytes,
                 "d2h_bandwidth_gbps": self.d2h_bandwidth_gbps,
                 "h2d_bandwidth_gbps": self.h2d_bandwidth_gbps,
+                "min_offload_bytes": self.min_offload_bytes,
             }
         )
 
@@ -143,10 +164,7 @@ class ActivationTrace:
                 TraceOp(
                     str(op["name"]),
                     float(op["duration_ms"]),
-                    tuple(
-                        Access(int(a["storage_id"]), AccessKind(a["kind"]))
-                        for a in op.get("accesses", ())
-                    ),
+                    tuple(_access_from(a) for a in op.get("accesses", ())),
                 )
                 for op in data["ops"]
             )
@@ -157,6 +175,7 @@ class ActivationTrace:
                 None if data.get("memory_limit_bytes") is None else int(data["memory_limit_bytes"]),
                 float(data.get("d2h_bandwidth_gbps", 16.0)),
                 float(data.get("h2d_bandwidth_gbps", 16.0)),
+                int(data.get("min_offload_bytes", DEFAULT_MIN_OFFLOAD_BYTES)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"Not an activation trace in the swapopt format: {error!r}") from None
@@ -223,6 +242,24 @@ class ResidencySchedule:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"Not a residency schedule in the swapopt format: {error!r}") from None
+
+
+def _access_json(access: Access) -> dict[str, object]:
+    written: dict[str, object] = {"storage_id": access.storage_id, "kind": access.kind.value}
+    if access.output is not None:
+        written["output"] = access.output
+    return written
+
+
+def _access_from(data: dict) -> Access:
+    output = data.get("output")
+    if output is not None and (isinstance(output, bool) or int(output) < 0):
+        raise ValueError(f"an access's output must be a position >= 0, got {output!r}")
+    return Access(
+        int(data["storage_id"]),
+        AccessKind(data["kind"]),
+        None if output is None else int(output),
+    )
 
 
 def _load_object(text: str, what: str) -> dict:

@@ -8,7 +8,8 @@ copy bandwidths:
 
 1. **Selection by cost.** Each gap is priced by its *slack*: the idle time from the end of
    the write to the reader, minus the time the two copies take (bytes moved against the time
-   that hides them). Gaps of storages below ``min_bytes`` are used only if nothing else fits.
+   that hides them). Gaps of storages below the trace's ``min_offload_bytes`` are used only
+   if nothing else fits.
 2. **Placement by simulation.** One pass over the ops drives the simulator's device model
    (:class:`~swapopt_core._planning.simulate.Machine`), so every decision sees simulated
    times and stream occupancy. Copies out are issued right after the last write (one FIFO
@@ -97,16 +98,16 @@ class _RangeMax:
 class TimedPlanner(ResidencyPlanner):
     """Offloads the gaps that the copy streams can hide best, issues copies at simulated times.
 
+    The size threshold is the trace's ``min_offload_bytes``: smaller storages are offloaded
+    only when the budget cannot be met otherwise (per-copy overheads dominate small copies).
+
     Args:
-        min_bytes: Storages smaller than this are offloaded only when the budget cannot be
-            met otherwise (per-copy overheads dominate small copies). Default 1 MiB.
         max_rounds: Repair passes before giving up on an over-budget op.
     """
 
     name = "timed"
 
-    def __init__(self, min_bytes: int = 2**20, max_rounds: int = 64) -> None:
-        self.min_bytes = int(min_bytes)
+    def __init__(self, max_rounds: int = 64) -> None:
         self.max_rounds = int(max_rounds)
 
     def plan(self, trace: ActivationTrace) -> ResidencySchedule:
@@ -125,7 +126,7 @@ class TimedPlanner(ResidencyPlanner):
                 floor / 2**20,
             )
             budget = floor
-        best = self._search(ix, budget)
+        best = self._search(ix, budget, trace.min_offload_bytes)
         check = simulate(trace, best.schedule, record=False, index=ix)
         if check.peak_bytes > budget:
             logger.warning(
@@ -145,7 +146,7 @@ class TimedPlanner(ResidencyPlanner):
 
     # ---- search --------------------------------------------------------------------------
 
-    def _search(self, ix: TraceIndex, budget: int) -> _Pass:
+    def _search(self, ix: TraceIndex, budget: int, min_bytes: int) -> _Pass:
         gaps = self._gaps(ix)
         planner = _Placer(ix, budget)
         chosen: dict[int, _Gap] = {}
@@ -159,7 +160,7 @@ class TimedPlanner(ResidencyPlanner):
             )
             if not result.deficits:
                 break
-            added = self._extend(gaps, chosen, result.deficits)
+            added = self._extend(gaps, chosen, result.deficits, min_bytes)
             if not added:
                 break
             chosen.update((g.key, g) for g in added)
@@ -199,8 +200,12 @@ class TimedPlanner(ResidencyPlanner):
                 gaps.append(_Gap(len(gaps), sid, size, a, b, last_write, slack))
         return gaps
 
+    @staticmethod
     def _extend(
-        self, gaps: list[_Gap], chosen: dict[int, _Gap], deficits: list[tuple[int, int]]
+        gaps: list[_Gap],
+        chosen: dict[int, _Gap],
+        deficits: list[tuple[int, int]],
+        min_bytes: int,
     ) -> list[_Gap]:
         """Choose more gaps, best slack first, until each deficit op is covered."""
         by_open: dict[int, list[_Gap]] = defaultdict(list)
@@ -214,7 +219,7 @@ class TimedPlanner(ResidencyPlanner):
         for op, over in sorted(deficits):
             while cursor <= op:
                 for g in by_open.get(cursor, ()):
-                    heap = big if g.size >= self.min_bytes else small
+                    heap = big if g.size >= min_bytes else small
                     heapq.heappush(heap, (-g.slack, -g.size, g.key, g))
                 cursor += 1
             while covering and covering[0][0] <= op:

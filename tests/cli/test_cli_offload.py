@@ -145,6 +145,15 @@ def test_plan_refuses_a_negative_budget(
     assert "--budget-mb -5" in err and ">= 0" in err
 
 
+@pytest.mark.parametrize("budget", ["lots", "nan", "inf"])
+def test_plan_refuses_a_budget_that_is_not_a_size(
+    budget: str, trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", "--trace", str(trace_file), "--budget-mb", budget]
+    err = _usage_error([*argv, "--out", str(tmp_path / "p.json")], capsys)
+    assert f"--budget-mb {budget}: the activation budget must be a finite number" in err
+
+
 def test_plan_refuses_an_unknown_planner(
     trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3,6 +3,7 @@ against many schedules replayed by the simulator."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -26,6 +27,11 @@ from swapopt_core._planning.simulate import TraceIndex, simulate
 from swapopt_core._planning.timed import TimedPlanner
 
 MB = 10**6
+
+
+def any_size(trace: ActivationTrace) -> ActivationTrace:
+    """``trace`` without a size threshold: storages of any size may be offloaded."""
+    return dataclasses.replace(trace, min_offload_bytes=0)
 
 
 def make_trace(ops, sizes, *, retained=(), limit=None, bw=1.0) -> ActivationTrace:
@@ -70,7 +76,7 @@ def test_hand_computed_bounds_and_the_planner_reaches_them(name):
     trace, stall = CASES[name]
     assert stall_lower_bound_ms(trace) == pytest.approx(stall)
     assert overhead_lower_bound(trace) == pytest.approx(stall / 6)
-    result = simulate(trace, TimedPlanner(min_bytes=0).plan(trace))
+    result = simulate(trace, TimedPlanner().plan(any_size(trace)))
     assert result.peak_bytes <= trace.memory_limit_bytes
     assert result.stall_ms == pytest.approx(stall)
 
@@ -82,7 +88,7 @@ def test_a_late_producer_tightens_the_plain_bound():
     ops = [{1: "W"}, {}, {}, {2: "W"}, {3: "W"}, {}, {}, {}, {}, {1: "R", 2: "R"}]
     trace = make_trace(ops, {1: MB, 2: MB, 3: 2 * MB}, limit=2 * MB)
     assert stall_lower_bound_ms(trace) == pytest.approx(1.0)
-    result = simulate(trace, TimedPlanner(min_bytes=0).plan(trace))
+    result = simulate(trace, TimedPlanner().plan(any_size(trace)))
     assert result.stall_ms == pytest.approx(1.0)
     assert result.peak_bytes <= 2 * MB
 
@@ -216,7 +222,7 @@ def test_no_schedule_beats_the_bound(seed):
             if not feasible(limited):
                 continue
             bound = stall_lower_bound_ms(limited)
-            plans = [TimedPlanner(min_bytes=0).plan(limited)]
+            plans = [TimedPlanner().plan(any_size(limited))]
             plans += [random_schedule(rng, limited) for _ in range(10)]
             for plan in plans:
                 result = simulate(limited, plan, record=False)

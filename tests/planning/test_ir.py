@@ -7,6 +7,7 @@ import json
 import pytest
 
 from swapopt_core._planning.ir import (
+    DEFAULT_MIN_OFFLOAD_BYTES,
     Access,
     AccessKind,
     Action,
@@ -52,11 +53,37 @@ def test_trace_json_uses_string_keys_and_defaults():
     assert minimal.d2h_bandwidth_gbps == minimal.h2d_bandwidth_gbps == 16.0
 
 
+def test_output_positions_and_the_size_threshold_round_trip():
+    made = ActivationTrace(
+        (TraceOp("aten.split.Tensor", 0.5, (Access(100, R), Access(1, W, 1), Access(2, W, 0))),),
+        {1: 64, 2: 64},
+        min_offload_bytes=4096,
+    )
+    data = json.loads(made.to_json())
+    assert data["ops"][0]["accesses"] == [
+        {"storage_id": 100, "kind": "READ"},  # no position: not created by this op
+        {"storage_id": 1, "kind": "WRITE", "output": 1},
+        {"storage_id": 2, "kind": "WRITE", "output": 0},
+    ]
+    assert data["min_offload_bytes"] == 4096
+    assert ActivationTrace.from_json(made.to_json()) == made
+
+
+def test_traces_written_before_positions_and_threshold_still_read():
+    old = json.loads(TRACE.to_json())
+    del old["min_offload_bytes"]
+    again = ActivationTrace.from_json(json.dumps(old))
+    assert again.min_offload_bytes == DEFAULT_MIN_OFFLOAD_BYTES == 2**20
+    assert all(a.output is None for op in again.ops for a in op.accesses)
+    assert again == TRACE
+
+
 def test_with_limit_keeps_everything_else():
     other = TRACE.with_limit(None)
     assert other.memory_limit_bytes is None
     assert other.ops == TRACE.ops and other.storage_sizes == TRACE.storage_sizes
     assert (other.d2h_bandwidth_gbps, other.h2d_bandwidth_gbps) == (12.5, 24.0)
+    assert other.min_offload_bytes == TRACE.min_offload_bytes
 
 
 @pytest.mark.parametrize(
@@ -69,6 +96,9 @@ def test_with_limit_keeps_everything_else():
         '"accesses": [{"storage_id": 1, "kind": "TOUCH"}]}], "storage_sizes": {}}',
         '{"ops": [], "storage_sizes": {}, "d2h_bandwidth_gbps": 0}',
         '{"ops": [], "storage_sizes": {}, "memory_limit_bytes": -1}',
+        '{"ops": [], "storage_sizes": {}, "min_offload_bytes": -1}',
+        '{"ops": [{"name": "x", "duration_ms": 1, '
+        '"accesses": [{"storage_id": 1, "kind": "WRITE", "output": -1}]}], "storage_sizes": {}}',
     ],
 )
 def test_bad_traces_are_refused(text):

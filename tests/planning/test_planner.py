@@ -3,6 +3,7 @@ how close it gets to the lower bound on a synthetic Llama step."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 
@@ -13,6 +14,7 @@ from swapopt_core._planning.bounds import (
     min_feasible_budget,
     overhead_lower_bound,
 )
+from swapopt_core._planning.interface import DEFAULT_PLANNER, resolve_planner
 from swapopt_core._planning.ir import (
     Access,
     AccessKind,
@@ -33,6 +35,11 @@ D2H, RELEASE, H2D, RELEASE_HOST = (
     ActionKind.COPY_H2D,
     ActionKind.RELEASE_HOST,
 )
+
+
+def any_size(trace: ActivationTrace) -> ActivationTrace:
+    """``trace`` without a size threshold: storages of any size may be offloaded."""
+    return dataclasses.replace(trace, min_offload_bytes=0)
 
 
 def make_trace(ops, sizes, *, retained=(), limit=None, bw=1.0) -> ActivationTrace:
@@ -88,7 +95,7 @@ def test_no_budget_or_room_to_spare_plans_nothing():
 
 
 def test_a_long_gap_is_offloaded_out_of_the_way():
-    plan = TimedPlanner(min_bytes=0).plan(LONG)
+    plan = TimedPlanner().plan(any_size(LONG))
     where = placed(plan)
     assert where[(1, D2H)] == [("post", 0)]  # right after the write
     ((side, release),) = where[(1, RELEASE)]
@@ -103,18 +110,18 @@ def test_a_long_gap_is_offloaded_out_of_the_way():
 def test_reload_is_issued_just_early_enough():
     # Reader at op 7; a 1 ms copy fits behind op 6, so the reload is issued before op 6
     # (not before op 5, which would hold the memory longer for nothing).
-    assert placed(TimedPlanner(min_bytes=0).plan(LONG))[(1, H2D)] == [("pre", 6)]
+    assert placed(TimedPlanner().plan(any_size(LONG)))[(1, H2D)] == [("pre", 6)]
     # A 2 ms copy needs two ops in front of the reader.
     slow = LONG.with_limit(MB)
     slow = ActivationTrace(slow.ops, slow.storage_sizes, slow.retained_sids, MB, 1.0, 0.5)
-    assert placed(TimedPlanner(min_bytes=0).plan(slow))[(1, H2D)] == [("pre", 5)]
+    assert placed(TimedPlanner().plan(any_size(slow)))[(1, H2D)] == [("pre", 5)]
 
 
 def test_copy_out_follows_the_last_write_before_the_gap():
     # Written at 0, read at 1, rewritten in place at 2, idle, read at 8.
     ops = [{1: "W"}, {1: "R"}, {1: "W"}, {2: "W"}, {2: "R"}, {2: "R"}, {}, {}, {1: "R"}]
     trace = make_trace(ops, {1: MB, 2: MB}, limit=MB)
-    plan = TimedPlanner(min_bytes=0).plan(trace)
+    plan = TimedPlanner().plan(any_size(trace))
     assert placed(plan)[(1, D2H)] == [("post", 2)]
     check(trace, plan)
 
@@ -123,7 +130,7 @@ def test_retained_storages_stay_after_their_last_access():
     # Storage 3 is kept by the caller after op 1: it must stay; storage 1 makes room instead.
     ops = [{1: "W"}, {3: "W"}, {2: "W"}, {2: "R"}, {}, {}, {1: "R"}]
     trace = make_trace(ops, {1: MB, 2: MB, 3: MB}, retained={3}, limit=2 * MB)
-    plan = TimedPlanner(min_bytes=0).plan(trace)
+    plan = TimedPlanner().plan(any_size(trace))
     assert all(action.storage_id != 3 for _, _, action in plan.actions())
     assert (1, RELEASE) in placed(plan)
     check(trace, plan)
@@ -147,7 +154,7 @@ def test_an_infeasible_budget_is_reported_and_the_floor_is_kept(caplog):
     trace = LONG.with_limit(MB // 2)
     assert not feasible(trace)
     with caplog.at_level(logging.WARNING, logger="swapopt_core._planning.timed"):
-        plan = TimedPlanner(min_bytes=0).plan(trace)
+        plan = TimedPlanner().plan(any_size(trace))
     assert "infeasible" in caplog.text
     check(trace, plan, budget=min_feasible_budget(trace))
 
@@ -163,6 +170,28 @@ def test_plans_are_deterministic_and_serialise():
 def test_registered_as_the_default_planner():
     planners = residency_planners(new_plugin_manager(load_entrypoints=False))
     assert isinstance(planners["timed"], TimedPlanner)
+    assert resolve_planner("auto", planners) is planners[DEFAULT_PLANNER] is planners["timed"]
+
+
+def test_an_unknown_planner_name_lists_the_registered_ones():
+    planners = residency_planners(new_plugin_manager(load_entrypoints=False))
+    with pytest.raises(ValueError, match=r"^--x='psychic' is not a registered planner\. .*'auto'"):
+        resolve_planner("psychic", planners, label="--x")
+    with pytest.raises(ValueError, match="it means 'timed', which no plugin registers"):
+        resolve_planner("auto", {})
+
+
+def test_the_size_threshold_comes_from_the_trace():
+    # Storage 3 (1 MB) has more slack than storage 1 (2 MB); either one makes room at op 4.
+    ops = [{1: "W"}, {3: "W"}, {}, {}, {2: "W"}, {2: "R"}, {}, {1: "R"}, {3: "R"}]
+    trace = make_trace(ops, {1: 2 * MB, 2: MB, 3: MB}, limit=3 * MB)
+    assert trace.min_offload_bytes == 2**20 > MB  # storage 3 counts as small by default
+
+    def moved(trace: ActivationTrace) -> set[int]:
+        return {a.storage_id for _, _, a in TimedPlanner().plan(trace).actions()}
+
+    assert moved(trace) == {1}
+    assert moved(any_size(trace)) == {3}
 
 
 @pytest.mark.parametrize("seed", range(4))

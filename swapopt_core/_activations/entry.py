@@ -1,0 +1,344 @@
+"""One entry of an ``OffloadSession``: every aten op inside it passes through ``dispatch``.
+
+A **warmup** entry records each op (name, duration, the storages it reads and writes, and
+where among its outputs each storage it creates is), registers the storages it creates, and
+evicts the oldest (then largest) activations whenever the budget is exceeded; an evicted
+storage is paged back in the moment an op touches it. A **replay** entry follows a plan and
+nothing else: the ``ActivationTrace`` says which op comes next, which storages it writes and
+where its new storages are; the ``ResidencySchedule`` says what to do before and after it.
+When an op does not match the trace, the entry brings everything back and goes on as its
+``Executor`` decides (``trace_after_miss``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from swapopt_core._activations.residency import Residency, Tracked
+from swapopt_core._activations.runtime import ActivationRuntime
+from swapopt_core._planning.ir import (
+    Access,
+    AccessKind,
+    Action,
+    ActionKind,
+    ActivationTrace,
+    ResidencySchedule,
+    TraceOp,
+)
+
+if TYPE_CHECKING:
+    from swapopt_core._activations.executor import Executor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Entry"]
+
+_WRITE = AccessKind.WRITE
+
+
+@dataclass
+class _Open:
+    """An op between its begin and its end."""
+
+    index: int
+    name: str
+    start: Any
+    inputs: set[torch.UntypedStorage] = field(default_factory=set)
+    accesses: dict[int, AccessKind] = field(default_factory=dict)
+    outputs: dict[int, int] = field(default_factory=dict)  # sid -> output position
+
+
+def _storage(value: object) -> torch.UntypedStorage | None:
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return None
+    try:
+        return value.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors ``func`` writes in place, matched by schema argument (position or name)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return written
+
+
+def _device_of(inputs: object) -> torch.device:
+    """Where an op's tensors are: its first tensor's device, else its ``device`` argument."""
+    leaves = tree_leaves(inputs)
+    for value in leaves:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    kwargs = inputs[-1] if isinstance(inputs, tuple) and inputs else None
+    device = kwargs.get("device") if isinstance(kwargs, dict) else None
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, entry: Entry) -> None:
+        super().__init__()
+        self.entry = entry
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        return self.entry.dispatch(func, args, kwargs or {})
+
+
+class Entry:
+    """One entry of a session: a warmup that records, or a replay of ``trace`` and ``schedule``.
+
+    Args:
+        executor: The session's executor: it chooses the runtime and decides what a miss
+            means.
+        trace: The recorded step to replay; ``None`` for a warmup.
+        schedule: The plan for ``trace``.
+    """
+
+    def __init__(
+        self,
+        executor: Executor,
+        trace: ActivationTrace | None = None,
+        schedule: ResidencySchedule | None = None,
+    ) -> None:
+        self.executor = executor
+        self.runtime: ActivationRuntime | None = None  # chosen at the first op
+        self.residency: Residency | None = None
+        self.budget = executor.budget_bytes
+        self.min_offload = executor.min_offload_bytes
+        self.replaying = trace is not None and schedule is not None
+        self.recording = not self.replaying
+        self.diverged = False
+        self.trace = trace
+        self.ops_planned = len(trace.ops) if self.replaying and trace is not None else 0
+        self.schedule = schedule if self.replaying and schedule is not None else None
+        self.op = -1
+        self.opaque = 0
+        self.next_sid = 1 + max(trace.storage_sizes, default=0) if trace is not None else 1
+        self.ops: list[tuple[str, Any, Any, tuple[Access, ...]]] = []
+        self._virtual: list[_Open] = []
+        self.mode = _Mode(self)
+        self.closed = False  # set when the entry ends; a late backward region is ignored
+
+    def _start(self, inputs: object) -> None:
+        """The first op: take the runtime that serves the device its tensors are on."""
+        self.runtime, pool = self.executor.runtime_for(_device_of(inputs))
+        self.residency = Residency(self.runtime, pool)
+
+    # ---- the op path ---------------------------------------------------------------------
+
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.opaque:
+            self._ready_inputs((args, kwargs))
+            return func(*args, **kwargs)
+        if self.residency is None:
+            self._start((args, kwargs))
+        name = func.__name__
+        if self.replaying and not self._matches(name):
+            self._diverge(f"op {self.op + 1} is {name}")
+        opened = self._begin(name, (args, kwargs), _written(func, args, kwargs))
+        return self._end(opened, func(*args, **kwargs))
+
+    def _matches(self, name: str) -> bool:
+        index = self.op + 1
+        return index < self.ops_planned and self.trace.ops[index].name == name
+
+    def _begin(self, name: str, inputs: object, written: list[torch.Tensor]) -> _Open:
+        residency = self.residency
+        self.op += 1
+        opened = _Open(self.op, name, None)
+        if self.replaying:
+            for action in self.schedule.pre.get(self.op, ()):
+                self._apply(action)
+            for access in self.trace.ops[self.op].accesses:
+                if access.kind is _WRITE and access.output is None:  # written in place
+                    entry = residency.by_sid.get(access.storage_id)
+                    if entry is not None:
+                        residency.written(entry)
+            self._ready_inputs(inputs)
+        else:
+            writes = {id(t) for t in written}
+            for value in tree_leaves(inputs):
+                storage = _storage(value)
+                if storage is None:
+                    continue
+                opened.inputs.add(storage)
+                entry = residency.by_storage.get(storage)
+                if entry is None:
+                    continue
+                residency.ready(entry)
+                if id(value) in writes:
+                    opened.accesses[entry.sid] = AccessKind.WRITE
+                    residency.written(entry)
+                else:
+                    opened.accesses.setdefault(entry.sid, AccessKind.READ)
+        opened.start = self.runtime.stamp() if self.recording else None
+        return opened
+
+    def _end(self, opened: _Open, out: Any) -> Any:
+        residency = self.residency
+        end = self.runtime.stamp() if self.recording else None
+        if self.replaying:
+            self._bind_replay(opened.index, out)
+            for action in self.schedule.post.get(opened.index, ()):
+                self._apply(action)
+            return out
+        for position, value in enumerate(tree_leaves(out)):
+            storage = _storage(value)
+            if storage is None or storage in opened.inputs or not self._ours(storage):
+                continue
+            known = residency.by_storage.get(storage)
+            if known is not None:
+                opened.accesses[known.sid] = AccessKind.WRITE
+                continue
+            entry = residency.track(storage, self.next_sid, opened.index)
+            self.next_sid += 1
+            opened.accesses[entry.sid] = AccessKind.WRITE
+            opened.outputs[entry.sid] = position
+        if self.recording:
+            accesses = tuple(
+                Access(sid, kind, opened.outputs.get(sid)) for sid, kind in opened.accesses.items()
+            )
+            self.ops.append((opened.name, opened.start, end, accesses))
+        self._evict(protected=set(opened.accesses))
+        return out
+
+    def _ours(self, storage: torch.UntypedStorage) -> bool:
+        return storage.nbytes() != 0 and self.runtime.serves(storage.device)
+
+    def _ready_inputs(self, inputs: object) -> None:
+        residency = self.residency
+        if residency is None or (not residency.released and not residency.pending_in):
+            return  # nothing is away or in flight: the common, cheap case
+        for value in tree_leaves(inputs):
+            storage = _storage(value)
+            entry = residency.by_storage.get(storage) if storage is not None else None
+            if entry is not None:
+                residency.ready(entry)
+
+    # ---- warmup: online eviction ---------------------------------------------------------
+
+    def _evict(self, protected: set[int]) -> None:
+        residency = self.residency
+        if residency.resident_bytes <= self.budget:
+            return
+        candidates = sorted(
+            (
+                e
+                for e in residency.by_sid.values()
+                if e.alive
+                and e.resident
+                and e.sid not in protected
+                and e.nbytes >= self.min_offload
+            ),
+            key=lambda e: (e.produced_at, -e.nbytes),
+        )
+        for entry in candidates:
+            if residency.resident_bytes <= self.budget:
+                break
+            if residency.copy_out(entry):
+                residency.release(entry)
+
+    # ---- replay --------------------------------------------------------------------------
+
+    def _bind_replay(self, index: int, out: Any) -> None:
+        """Register the storages op ``index`` made, found at their recorded output positions."""
+        trace, residency = self.trace, self.residency
+        leaves = None
+        for access in trace.ops[index].accesses:
+            position = access.output
+            if position is None:
+                continue
+            if leaves is None:
+                leaves = tree_leaves(out)
+            storage = _storage(leaves[position]) if position < len(leaves) else None
+            nbytes = trace.storage_sizes.get(access.storage_id)
+            if storage is None or storage.nbytes() != nbytes:
+                # Its outputs stay untracked (never offloaded): safe, just not in budget.
+                self._diverge(f"op {index} ({trace.ops[index].name}) made other outputs")
+                return
+            if storage not in residency.by_storage:
+                residency.track(storage, access.storage_id, index)
+
+    def _apply(self, action: Action) -> None:
+        residency = self.residency
+        entry: Tracked | None = residency.by_sid.get(action.storage_id)
+        if entry is None or not entry.alive:
+            return
+        kind = action.kind
+        if kind is ActionKind.COPY_D2H:
+            residency.copy_out(entry)
+        elif kind is ActionKind.RELEASE_DEVICE:
+            residency.release(entry)
+        elif kind is ActionKind.COPY_H2D:
+            residency.copy_in(entry)
+        elif kind is ActionKind.RELEASE_HOST:
+            residency.release_host(entry)
+
+    def _diverge(self, why: str) -> None:
+        """Stop replaying: bring everything back and go on as the executor decides."""
+        logger.info("activation replay diverged from the trace (%s)", why)
+        self.residency.restore_all()
+        self.diverged = True
+        self.replaying = False
+        self.recording = self.executor.trace_after_miss(self.op + 1)
+
+    # ---- opaque regions ------------------------------------------------------------------
+
+    def begin_virtual(self, name: str, inputs: object) -> None:
+        """Start a region that counts as one op ``name`` (``skip_offload``)."""
+        if self.closed:
+            return
+        if self.residency is None:
+            self._start(inputs)
+        if self.replaying and not self._matches(name):
+            self._diverge(f"op {self.op + 1} is the region {name}")
+        self._virtual.append(self._begin(name, inputs, []))
+        self.opaque += 1
+
+    def end_virtual(self, outputs: object) -> None:
+        if self.closed or not self._virtual:
+            return
+        self.opaque = max(0, self.opaque - 1)
+        self._end(self._virtual.pop(), outputs)
+
+    # ---- end of the entry ----------------------------------------------------------------
+
+    @property
+    def replayed_to_end(self) -> bool:
+        """The entry replayed every op of its trace, and nothing else."""
+        return self.replaying and self.op + 1 == self.ops_planned
+
+    def trace_ops(self) -> list[TraceOp]:
+        """The recorded ops with their durations (needs every stamp to be complete)."""
+        runtime = self.runtime
+        return [
+            TraceOp(name, runtime.elapsed_ms(start, end), accesses)
+            for name, start, end, accesses in self.ops
+        ]
+
+    def storage_sizes(self) -> dict[int, int]:
+        by_sid = self.residency.by_sid if self.residency is not None else {}
+        return {sid: e.nbytes for sid, e in by_sid.items()}
+
+    def retained(self) -> frozenset[int]:
+        by_sid = self.residency.by_sid if self.residency is not None else {}
+        return frozenset(e.sid for e in by_sid.values() if e.alive)
+
+    def close(self) -> None:
+        """The entry ended: restore what is still alive; late region calls are ignored."""
+        self.closed = True
+        if self.residency is not None:
+            self.residency.close()

@@ -94,18 +94,19 @@ def test_entry_survives_trainconfig(tmp_path) -> None:
     assert _build_callback(entry).config == section.to_config()
 
 
+# Text is read as the environment's is ("8", "yes"): see test_text_values_are_read.
 BAD_OPTIONS = [
     ("swap_times", 0, "an integer >= 1"),
-    ("swap_times", "8", "an integer >= 1"),
+    ("swap_times", "eight", "an integer >= 1"),
     ("swap_times", True, "an integer >= 1"),
     ("min_numel", -1, "an integer >= 0"),
     ("state_keys", ["exp_avg", "m"], "'exp_avg', 'exp_avg_sq', 'max_exp_avg_sq'"),
-    ("state_keys", [], "null, or a list of distinct names"),
+    ("state_keys", [], "null, or distinct names"),
     ("state_keys", ["exp_avg", "exp_avg"], "distinct"),
-    ("include_master_params", 1, "true or false"),
-    ("packed_swap", "yes", "true, false, or null/'auto'"),
+    ("include_master_params", 1, "a boolean (1/true/yes"),
+    ("packed_swap", "sometimes", "'auto' or null for the runtime's default, or a boolean"),
     ("runtime", "tpu", "'loopback'"),
-    ("runtime", "cuda", "MindSpore runtimes ["),  # a torch runtime
+    ("runtime", "cuda", "mindspore runtimes ["),  # a torch runtime
 ]
 
 
@@ -123,8 +124,17 @@ def test_callback_rejects_bad_value(key, value, accepted) -> None:
 
 
 def test_callback_rejects_unknown_key() -> None:
-    with pytest.raises(ValueError, match=r"no key 'swaptimes'; accepted keys: \[.*'swap_times'"):
+    with pytest.raises(ValueError, match=r"no option 'swaptimes'; accepted options: \[.*'swap_"):
         SwapOptimizerCallback(swaptimes=8)
+
+
+def test_text_values_are_read() -> None:
+    """The section and the callback read text with the vocabulary of the environment."""
+    options = {"swap_times": "8", "packed_swap": "yes", "state_keys": "exp_avg, exp_avg_sq"}
+    want = SwapOptimizerConfig(swap_times=8, packed_swap=True, state_keys=("exp_avg", "exp_avg_sq"))
+    assert SwapOptimizerCallback(**options).config == want
+    section = SwapOptimizerSection.from_yaml({"enable": "off", **options})
+    assert section.to_config() == want and section.enable is False
 
 
 # ---- the YAML section ------------------------------------------------------------------------
@@ -165,7 +175,7 @@ def test_section_round_trip(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("key", "value", "accepted"), [*BAD_OPTIONS, ("enable", "yes", "true or false")]
+    ("key", "value", "accepted"), [*BAD_OPTIONS, ("enable", "maybe", "a boolean (1/true/yes")]
 )
 def test_section_rejects_bad_value(key, value, accepted) -> None:
     with pytest.raises(ValueError) as info:
@@ -177,8 +187,8 @@ def test_section_rejects_bad_value(key, value, accepted) -> None:
 def test_section_rejects_unknown_key_and_non_mapping() -> None:
     with pytest.raises(
         ValueError,
-        match=r"swap_optimizer has no key 'swap_time'; accepted keys: "
-        r"\['enable', 'swap_times'",
+        match=r"swap_optimizer has no option 'swap_time'; accepted options: "
+        r"\['enable', .*'swap_times'",
     ):
         build_trainer_config({"swap_optimizer": {"enable": True, "swap_time": 8}})
     with pytest.raises(ValueError, match="swap_optimizer must be a mapping of settings, got None"):

@@ -1,160 +1,100 @@
-"""The ``swap_optimizer:`` section of a MindFormers training YAML, checked without MindFormers.
+"""The ``swap_optimizer:`` section of a MindFormers training YAML, read without MindFormers.
 
-``swapopt_plugins.mindformers`` re-exports what users need. This module holds the parsing:
-one checker serves the YAML section and the callback's keyword arguments, so both reject
-the same values with the same kind of message (the key, the value, what is accepted).
+The section is ``enable`` plus the fields of ``SwapOptimizerConfig``. Those fields are read by
+the core's one parser (``SwapOptimizerConfig.from_options`` with ``framework="mindspore"``,
+which checks ``runtime`` and ``state_keys`` against the registered MindSpore runtimes and
+optimizer families), so the section and the callback's keyword arguments reject the same
+values with the same kind of message. ``swapopt_plugins.mindformers`` re-exports what users
+need.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from swapopt_core import SwapOptimizerConfig, get_plugin_manager
-from swapopt_core._plugins import runtime_classes
+from swapopt_core import SwapOptimizerConfig
+from swapopt_core._options import NO, YES, Option, parse_bool, read_options
 
 __all__ = [
     "CALLBACK_NAME",
+    "GRAPH_HINT",
     "SECTION",
-    "STATE_KEYS",
     "SwapOptimizerSection",
     "build_trainer_config",
-    "check_options",
 ]
 
 SECTION = "swap_optimizer"
 CALLBACK_NAME = "SwapOptimizerCallback"
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SwapOptimizerConfig)}
+GRAPH_HINT = (
+    "In graph mode use MindFormers' own host-side optimizer state instead: "
+    "'optimizer: {type: AdamW, swap: True}'."
+)
 
-
-class _Invalid(Exception):
-    """Raised by a checker; turned into a ValueError naming the key."""
-
-
-def _int(minimum: int) -> Callable[[object], int]:
-    def check(value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise _Invalid
-        return value
-
-    return check
-
-
-def _bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise _Invalid
-    return value
-
-
-def _packed(value: object) -> bool | None:
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return None
-    raise _Invalid
-
-
-def _state_keys(value: object) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    keys = (value,) if isinstance(value, str) else value
-    if not isinstance(keys, Sequence) or not keys:
-        raise _Invalid
-    keys = tuple(keys)
-    if len(set(keys)) != len(keys) or any(k not in STATE_KEYS for k in keys):
-        raise _Invalid
-    return keys
-
-
-def _runtime_names() -> list[str]:
-    """``auto`` and the names of the registered MindSpore runtimes."""
-    return sorted({"auto", *runtime_classes(get_plugin_manager(), "mindspore")})
-
-
-def _runtime(value: object) -> str:
-    if not isinstance(value, str) or value.strip() not in _runtime_names():
-        raise _Invalid
-    return value.strip()
-
-
-#: option -> (checker, accepted values in words); the fields of SwapOptimizerConfig.
-_OPTIONS: dict[str, tuple[Callable[[object], Any], str]] = {
-    "swap_times": (_int(1), "an integer >= 1"),
-    "state_keys": (_state_keys, f"null, or a list of distinct names from {list(STATE_KEYS)}"),
-    "min_numel": (_int(0), "an integer >= 0"),
-    "include_master_params": (_bool, "true or false"),
-    "packed_swap": (_packed, "true, false, or null/'auto' for the runtime's default"),
-    "runtime": (_runtime, "one of the MindSpore runtimes {runtimes}"),
+_FIELDS = tuple(f.name for f in dataclasses.fields(SwapOptimizerConfig))
+# The section's keys: ``enable`` is read here; the config's fields pass through as given, to
+# be read by SwapOptimizerConfig.from_options.
+_KEYS = {
+    "enable": Option(parse_bool, f"a boolean ({'/'.join(YES + NO)})"),
+    **{name: Option(lambda value: value, "") for name in _FIELDS},
 }
 
 
-def check_options(options: Mapping[str, object], *, owner: str) -> dict[str, Any]:
-    """Check swap options given as ``SwapOptimizerConfig`` field names.
-
-    Args:
-        options: Field name to value; names not given keep their defaults.
-        owner: How errors name the options, e.g. ``"swap_optimizer"``.
-
-    Returns:
-        Every option, normalised (``state_keys`` as a tuple, ``'auto'`` packing as None).
-
-    Raises:
-        ValueError: An unknown name (the message lists the accepted ones) or a bad value
-            (the message shows ``owner.name``, the value and what is accepted).
-    """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
+def _read(values: Mapping[Any, object]) -> tuple[bool, SwapOptimizerConfig]:
+    """``enable`` and the config of a section, each key read once."""
+    if not isinstance(values, Mapping):
         raise ValueError(
-            f"{owner} has no key {', '.join(map(repr, unknown))}; accepted keys: "
-            f"{sorted(_OPTIONS)}."
+            f"{SECTION} must be a mapping of settings, got {values!r}. Write e.g. "
+            f"'{SECTION}: {{enable: true, swap_times: 8}}', or leave the section out."
         )
-    checked = {}
-    for name, (check, accepted) in _OPTIONS.items():
-        value = options.get(name, _DEFAULTS[name])
-        try:
-            checked[name] = check(value)
-        except _Invalid:
-            raise ValueError(
-                f"{owner}.{name}={value!r} is invalid; accepted: "
-                f"{accepted.format(runtimes=_runtime_names())}."
-            ) from None
-    return checked
+    options = read_options(_KEYS, values, source=SECTION)
+    enable = options.pop("enable", True)
+    config = SwapOptimizerConfig.from_options(options, source=SECTION, framework="mindspore")
+    return enable, config
 
 
-@dataclass(frozen=True)
+def _plain(config: SwapOptimizerConfig) -> dict[str, Any]:
+    """The config's fields as plain YAML values."""
+    data = dataclasses.asdict(config)
+    if config.state_keys is not None:
+        data["state_keys"] = list(config.state_keys)
+    return data
+
+
+@dataclass(frozen=True, init=False)
 class SwapOptimizerSection:
-    """The ``swap_optimizer:`` section of a training YAML.
+    """The ``swap_optimizer:`` section of a training YAML: ``enable`` and a config.
 
-    Writing the section turns the swap on unless it says ``enable: false``; every other
-    key is a ``SwapOptimizerConfig`` field with the same default.
+    ``SwapOptimizerSection(**keys)`` takes the keys a YAML section has and reads them as
+    ``from_yaml`` does. Writing the section turns the swap on unless it says
+    ``enable: false``; every other key is a ``SwapOptimizerConfig`` field with the same
+    default, also readable as an attribute (``section.swap_times``).
+
+    Attributes:
+        enable: Whether the launcher adds the callback.
+        config: The swap configuration the section describes.
 
     Raises:
-        ValueError: A value is out of range or of the wrong type; the message names
-            ``swap_optimizer.<key>``, shows the value and lists what is accepted.
+        ValueError: An unknown key (the message lists the accepted ones) or a value that is
+            not accepted (the message names ``swap_optimizer.<key>``, shows the value and
+            says what is accepted).
     """
 
-    enable: bool = True
-    swap_times: int = _DEFAULTS["swap_times"]
-    state_keys: tuple[str, ...] | None = _DEFAULTS["state_keys"]
-    min_numel: int = _DEFAULTS["min_numel"]
-    include_master_params: bool = _DEFAULTS["include_master_params"]
-    packed_swap: bool | None = _DEFAULTS["packed_swap"]
-    runtime: str = _DEFAULTS["runtime"]
+    enable: bool
+    config: SwapOptimizerConfig
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.enable, bool):
-            raise ValueError(
-                f"{SECTION}.enable={self.enable!r} is invalid; accepted: true or false."
-            )
-        for name, value in check_options(self._options(), owner=SECTION).items():
-            object.__setattr__(self, name, value)
+    def __init__(self, enable: object = True, **options: object) -> None:
+        enable, config = _read({"enable": enable, **options})
+        object.__setattr__(self, "enable", enable)
+        object.__setattr__(self, "config", config)
 
-    def _options(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _OPTIONS}
+    def __getattr__(self, name: str) -> Any:
+        if name in _FIELDS:  # the config's fields, as keys of the section
+            return getattr(self.config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def from_yaml(cls, mapping: Mapping[str, Any]) -> SwapOptimizerSection:
@@ -162,44 +102,32 @@ class SwapOptimizerSection:
 
         Raises:
             ValueError: ``mapping`` is not a mapping, has an unknown key (the message
-                lists the accepted keys) or a bad value.
+                lists the accepted keys) or a value that is not accepted.
         """
-        if not isinstance(mapping, Mapping):
-            raise ValueError(
-                f"{SECTION} must be a mapping of settings, got {mapping!r}. Write e.g. "
-                f"'{SECTION}: {{enable: true, swap_times: 8}}', or leave the section out."
-            )
-        unknown = sorted(set(mapping) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(
-                f"{SECTION} has no key {', '.join(map(repr, unknown))}; accepted keys: "
-                f"{[f.name for f in dataclasses.fields(cls)]}."
-            )
-        return cls(**mapping)
+        section = object.__new__(cls)
+        enable, config = _read(mapping)
+        object.__setattr__(section, "enable", enable)
+        object.__setattr__(section, "config", config)
+        return section
 
     def to_yaml(self) -> dict[str, Any]:
         """The section as plain YAML values; ``from_yaml`` reads it back equal."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if self.state_keys is not None:
-            data["state_keys"] = list(self.state_keys)
-        return data
+        return {"enable": self.enable, **_plain(self.config)}
 
     def to_config(self) -> SwapOptimizerConfig:
         """The ``SwapOptimizerConfig`` the section describes (``enable`` aside)."""
-        return SwapOptimizerConfig(**self._options())
+        return self.config
 
     def callback_entry(self) -> dict[str, Any]:
         """The ``callbacks:`` entry that builds the callback with these settings."""
-        options = self.to_yaml()
-        del options["enable"]
-        return {"type": CALLBACK_NAME, **options}
+        return {"type": CALLBACK_NAME, **_plain(self.config)}
 
 
 def build_trainer_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config dict the launcher hands to MindFormers' pynative ``Trainer``.
 
     Without a ``swap_optimizer:`` section the result equals ``config``. With one, the
-    section is checked and removed, and when enabled a ``SwapOptimizerCallback`` entry with
+    section is read and removed, and when enabled a ``SwapOptimizerCallback`` entry with
     its settings is appended to ``callbacks``. ``config`` itself is not modified.
 
     Raises:

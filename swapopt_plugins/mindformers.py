@@ -1,22 +1,20 @@
-"""MindFormers integration: a registered trainer callback and a launcher that reads the YAML.
+"""MindFormers integration: a trainer callback registered with MindFormers.
 
 Importing this module registers ``SwapOptimizerCallback`` in MindFormers' registry, so a
 training YAML can name it: ``callbacks: [{type: SwapOptimizerCallback, swap_times: 8}]``.
-The launcher ``python -m swapopt_plugins.mindformers --config train.yaml`` also reads a
-top-level ``swap_optimizer:`` section, turns it into that callback entry and starts
-MindFormers' pynative ``Trainer``. Only PyNative mode is served; in graph mode MindFormers
-has its own host-side optimizer state (``optimizer: {type: AdamW, swap: True}``).
+The launcher ``python -m swapopt_plugins.mindformers --config train.yaml`` (its code is in
+``swapopt_plugins._mindformers_launch``) also reads a top-level ``swap_optimizer:`` section,
+turns it into that callback entry and starts MindFormers' pynative ``Trainer``. Only
+PyNative mode is served; in graph mode MindFormers has its own host-side optimizer state
+(``optimizer: {type: AdamW, swap: True}``).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib
 import json
 import logging
 import sys
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 from swapopt_core import (
@@ -27,10 +25,9 @@ from swapopt_core import (
     swap_stats,
 )
 from swapopt_plugins._mindformers_config import (
-    SECTION,
+    GRAPH_HINT,
     SwapOptimizerSection,
     build_trainer_config,
-    check_options,
 )
 
 try:
@@ -43,14 +40,11 @@ except ImportError as _error:  # pragma: no cover - exercised without mindformer
         "pip install 'swapopt[mindformers]'."
     ) from _error
 
+from swapopt_plugins._mindformers_launch import main
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["SwapOptimizerCallback", "SwapOptimizerSection", "build_trainer_config", "main"]
-
-_GRAPH_HINT = (
-    "In graph mode use MindFormers' own host-side optimizer state instead: "
-    "'optimizer: {type: AdamW, swap: True}'."
-)
 
 
 @MindFormerRegister.register(MindFormerModuleType.CALLBACK)
@@ -65,14 +59,16 @@ class SwapOptimizerCallback(TrainerCallback):
 
     Args:
         swap_times: Pipeline batches per step (an integer >= 1).
-        state_keys: State entries to swap, from ``exp_avg``, ``exp_avg_sq`` and
-            ``max_exp_avg_sq``; None swaps all that the optimizer keeps.
+        state_keys: State entries to swap, out of those the registered MindSpore optimizer
+            families keep (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``); None swaps all
+            that the optimizer keeps.
         min_numel: State tensors with fewer elements stay on the device (>= 0).
         include_master_params: Also swap fp32 master weights, where the optimizer keeps them.
-        packed_swap: True, False, or None for the runtime's default.
-        runtime: ``"auto"``, ``"loopback"`` or another registered runtime name.
+        packed_swap: True, False, or None (or ``"auto"``) for the runtime's default.
+        runtime: ``"auto"`` or a registered MindSpore runtime (``"ascend"``, ``"loopback"``).
 
-    Defaults are ``SwapOptimizerConfig``'s.
+    Defaults are ``SwapOptimizerConfig``'s. The keys are read by
+    ``SwapOptimizerConfig.from_options``, as the ``swap_optimizer:`` section is.
 
     Raises:
         ValueError: At construction, an unknown keyword or a bad value; the message names
@@ -85,7 +81,9 @@ class SwapOptimizerCallback(TrainerCallback):
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
-        self._config = SwapOptimizerConfig(**check_options(options, owner=type(self).__name__))
+        self._config = SwapOptimizerConfig.from_options(
+            options, source=type(self).__name__, framework="mindspore"
+        )
 
     @property
     def config(self) -> SwapOptimizerConfig:
@@ -104,7 +102,7 @@ class SwapOptimizerCallback(TrainerCallback):
         if ms.get_context("mode") != ms.PYNATIVE_MODE:
             raise SwapOptError(
                 "SwapOptimizerCallback runs only in PyNative mode (ms.PYNATIVE_MODE); the "
-                f"context is in mode {ms.get_context('mode')}. {_GRAPH_HINT}"
+                f"context is in mode {ms.get_context('mode')}. {GRAPH_HINT}"
             )
         swap_optimizer(optimizer, self._config)
         if is_swap_optimizer(optimizer):
@@ -118,83 +116,6 @@ class SwapOptimizerCallback(TrainerCallback):
             return
         stats = dataclasses.asdict(swap_stats(optimizer))
         logger.info("swapopt stats at train end: %s", json.dumps(stats, sort_keys=True))
-
-
-# ---- launcher ------------------------------------------------------------------------------
-
-
-def _apply_context(config: Mapping[str, Any]) -> None:
-    """PyNative mode, and the device named by ``context.device_target`` if the YAML has one."""
-    context = config.get("context") or {}
-    mode = context.get("mode", ms.PYNATIVE_MODE)
-    if mode != ms.PYNATIVE_MODE:
-        raise ValueError(
-            f"context.mode={mode!r}: this launcher starts MindFormers' pynative Trainer, which "
-            f"needs context.mode: {ms.PYNATIVE_MODE} (PyNative). {_GRAPH_HINT}"
-        )
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    if context.get("device_target"):
-        ms.set_device(context["device_target"])
-
-
-def _log_to_stderr() -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s - %(name)s - %(levelname)s - %(message)s"))
-    for name in ("swapopt_core", "swapopt_plugins"):
-        named = logging.getLogger(name)
-        if not named.handlers:
-            named.addHandler(handler)
-            named.setLevel(logging.INFO)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run MindFormers' pynative Trainer on a YAML, with the ``swap_optimizer:`` section.
-
-    Returns:
-        0 after training; 2 when the YAML or an option is invalid (the reason goes to stderr).
-    """
-    parser = argparse.ArgumentParser(
-        prog="python -m swapopt_plugins.mindformers",
-        description="Train with MindFormers' pynative Trainer; a 'swap_optimizer:' section of "
-        "the YAML keeps the optimizer state in host memory.",
-    )
-    parser.add_argument("--config", required=True, help="training YAML")
-    parser.add_argument(
-        "--register",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE first, so it registers models or configs (repeatable)",
-    )
-    parser.add_argument("--checkpoint", default=None, help="resume from this checkpoint folder")
-    parser.add_argument(
-        "--mode",
-        default="pretrain",
-        choices=["pretrain", "finetune"],
-        help="passed to Trainer.train(mode=...)",
-    )
-    args = parser.parse_args(argv)
-
-    import yaml
-    from mindformers.pynative.trainer import Trainer
-
-    for module in args.register:  # first: they may register models, configs or runtimes
-        importlib.import_module(module)
-    try:
-        with open(args.config, encoding="utf-8") as file:
-            loaded = yaml.safe_load(file)
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{args.config} must hold a mapping of sections, got {loaded!r}.")
-        config = build_trainer_config(loaded)
-        _apply_context(config)
-    except (OSError, ValueError, yaml.YAMLError) as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
-    _log_to_stderr()
-    if SECTION in loaded:
-        logger.info("swapopt: %s section read; callbacks: %s", SECTION, config.get("callbacks"))
-    Trainer(config=config).train(checkpoint_path=args.checkpoint, mode=args.mode)
-    return 0
 
 
 if __name__ == "__main__":

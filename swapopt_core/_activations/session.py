@@ -70,8 +70,10 @@ class OffloadSession:
     to host memory and paging them back when needed. On exit the planner turns the trace
     into a schedule. Later entries **replay** the schedule: copies out start right after
     each activation's last write and copies back start just early enough, on a stream per
-    direction. A step whose ops differ from the trace falls back to warmup and the next
-    entry traces again. Results are the same bits as without the session.
+    direction. A step whose ops differ from the trace falls back without a plan; the
+    session's ``Executor`` decides when to trace again (``_activations/executor.py``).
+    ``trace`` and ``schedule`` are the plan, and ``load_plan`` replays one saved as JSON.
+    Results are the same bits as without the session.
 
     Args:
         config: Budget, host cap, planner and runtime. Default: ``OffloadConfig()``.

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
+from swapopt_core._planning.interface import AUTO, DEFAULT_PLANNER
+
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[argparse.Namespace], int]
@@ -131,10 +133,9 @@ def _demo_command(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
-def _planner_help() -> str:
-    from swapopt_core._planning.interface import AUTO, DEFAULT_PLANNER
-
-    return f"registered planner to use; {AUTO} = the default, {DEFAULT_PLANNER} (default: {AUTO})"
+_PLANNER_HELP = (
+    f"registered planner to use; {AUTO} = the default, {DEFAULT_PLANNER} (default: %(default)s)"
+)
 
 
 @_command("plan", "plan a recorded activation trace under a memory budget")
@@ -153,7 +154,7 @@ def _plan_command(parser: argparse.ArgumentParser) -> Handler:
     add("--trace", required=True, metavar="T.json", help="the activation trace to plan")
     add("--budget-mb", required=True, metavar="MB", help="activation budget on the device, in MiB")
     add("--out", required=True, metavar="P.json", help="where to write the schedule")
-    add("--planner", default="auto", help=_planner_help())
+    add("--planner", default=AUTO, help=_PLANNER_HELP)
 
     def run(args: argparse.Namespace) -> int:
         try:
@@ -192,14 +193,14 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
         "with --schedule, only draw it (default: the trace's own budget)",
     )
     add("--out", required=True, metavar="timeline.png", help="the image to write")
-    add("--planner", default="auto", help=_planner_help() + "; with --budget-mb only")
+    add("--planner", default=AUTO, help=_PLANNER_HELP + "; with --budget-mb only")
 
     def run(args: argparse.Namespace) -> int:
         from swapopt_core._cli.plot import plot_timeline
 
         if args.schedule is None and args.budget_mb is None:
             parser.error("give --schedule P.json (a plan to draw) or --budget-mb MB (plan now).")
-        if args.schedule is not None and args.planner != "auto":
+        if args.schedule is not None and args.planner != AUTO:
             parser.error(
                 f"--planner {args.planner}: applies only with --budget-mb; "
                 f"--schedule {args.schedule} is already planned. Drop one of them."

@@ -38,7 +38,8 @@ class OffloadConfig:
             ``swapopt_core._planning.interface.DEFAULT_PLANNER``, the built-in time-aware
             planner ``"timed"``. Default: "auto".
         runtime: ``"auto"`` follows the activations: at an entry's first op, the CUDA
-            runtime when that op's tensors are on a CUDA device, loopback otherwise.
+            runtime when one of that op's tensors (or its ``device`` argument, as in
+            ``x.to("cuda")``) is on a CUDA device, loopback otherwise.
             ``"cuda"`` (the current CUDA device) or ``"loopback"`` (CPU tensors play the
             device) choose one outright. Default: "auto".
         min_offload_kib: Storages smaller than this are left on the device unless the

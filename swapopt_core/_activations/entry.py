@@ -78,14 +78,15 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def _device_of(inputs: object) -> torch.device:
-    """Where an op's tensors are: its first tensor's device, else its ``device`` argument."""
+    """Where an op's activations go: the first CUDA device among its tensors and its
+    ``device`` argument (``x.to("cuda")`` reads a CPU tensor), else CPU."""
     leaves = tree_leaves(inputs)
-    for value in leaves:
-        if isinstance(value, torch.Tensor):
-            return value.device
     kwargs = inputs[-1] if isinstance(inputs, tuple) and inputs else None
-    device = kwargs.get("device") if isinstance(kwargs, dict) else None
-    return torch.device(device) if device is not None else torch.device("cpu")
+    wanted = kwargs.get("device") if isinstance(kwargs, dict) else None
+    devices = [v.device for v in leaves if isinstance(v, torch.Tensor)]
+    if wanted is not None:
+        devices.insert(0, torch.device(wanted))
+    return next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
 
 
 class _Mode(TorchDispatchMode):

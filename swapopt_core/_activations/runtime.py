@@ -35,8 +35,8 @@ def choose_runtime(wanted: str, device: torch.device | None = None) -> Activatio
             for anything else (CPU tensors are then the "device" and their copies go to
             other CPU buffers). ``"cuda"`` is the current CUDA device, ``"loopback"`` CPU
             tensors, wherever the activations are.
-        device: Where the activations are (the device of the first tensor an entry sees);
-            what ``"auto"`` follows.
+        device: Where the activations are, as an entry's first op shows it; what
+            ``"auto"`` follows.
 
     Raises:
         RuntimeError: ``"cuda"`` is asked for and CUDA is not available.

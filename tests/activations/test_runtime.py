@@ -45,9 +45,10 @@ def test_auto_follows_the_device_of_the_first_tensor(cuda_claimed: None) -> None
     for device in ("cpu", "meta"):
         assert type(choose_runtime("auto", torch.device(device))) is ActivationRuntime
     assert type(choose_runtime("loopback")) is ActivationRuntime
-    cpu, meta = torch.ones(2), torch.ones(2, device="meta")
+    cpu, meta, cuda = torch.ones(2), torch.ones(2, device="meta"), torch.device("cuda", 1)
     assert _device_of(((cpu, meta), {})) == torch.device("cpu")
-    assert _device_of(((), {"size": [2], "device": torch.device("meta")})) == torch.device("meta")
+    assert _device_of(((cpu,), {"device": cuda})) == cuda  # x.to("cuda") makes CUDA activations
+    assert _device_of(((), {"size": [2], "device": torch.device("meta")})) == torch.device("cpu")
     assert _device_of(((), {"size": [2], "device": None})) == torch.device("cpu")
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import types
 from collections.abc import MutableMapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -118,6 +120,46 @@ def test_every_hook_is_prefixed_and_documented() -> None:
     for name in specs:
         assert name.startswith("swapopt_"), name
         assert inspect.getdoc(getattr(hookspecs.SwapOptSpecs, name)), name
+
+
+PLUGINS_DOC = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
+
+
+def test_every_hook_is_in_the_plugin_docs() -> None:
+    specs = [n for n, _ in inspect.getmembers(hookspecs.SwapOptSpecs) if not n.startswith("_")]
+    text = PLUGINS_DOC.read_text()
+    assert [name for name in specs if f"`{name}(" not in text] == []
+
+
+def _documented_sgd_plugin() -> types.ModuleType:
+    """The plugin module that docs/plugins.md shows under "Adding an optimizer family"."""
+    section = PLUGINS_DOC.read_text().split("## Adding an optimizer family", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    module = types.ModuleType("plugins_md_sgd")
+    exec(compile(code, str(PLUGINS_DOC), "exec"), module.__dict__)
+    return module
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_documented_plugin_swaps_sgd_bit_exactly(
+    plugin_manager: pluggy.PluginManager, momentum: float
+) -> None:
+    plugin_manager.register(_documented_sgd_plugin())
+    plain_model, swapped_model = _model(), _model()
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.05, momentum=momentum)
+    swapped = torch.optim.SGD(swapped_model.parameters(), lr=0.05, momentum=momentum)
+    config = SwapOptimizerConfig(swap_times=2, min_numel=64, runtime="loopback")
+    assert swap_optimizer(swapped, config, plugin_manager=plugin_manager) is swapped
+    _train(plain_model, plain, 6)
+    _train(swapped_model, swapped, 6)
+    pairs = list(zip(plain_model.parameters(), swapped_model.parameters(), strict=True))
+    for a, b in pairs:
+        assert torch.equal(a, b)
+        state_a, state_b = plain.state.get(a, {}), swapped.state.get(b, {})
+        assert state_a.keys() == state_b.keys()
+        for key in state_a:
+            assert torch.equal(state_a[key], state_b[key])
+    assert swap_stats(swapped).swapped_tensors == (3 if momentum else 0)
 
 
 @pytest.mark.parametrize("packed", [True, False])

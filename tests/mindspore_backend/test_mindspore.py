@@ -403,6 +403,16 @@ def test_bad_call_arguments_fail_before_anything_moves():
     assert swap_stats(opt).steps == 0
 
 
+def test_only_the_mindspore_engine_serves_a_cell():
+    from swapopt_core._api import _engine_class
+    from swapopt_core._torch.engine import SwapEngine
+
+    opt = nn.Adam(make_params())
+    assert MindSporeSwapEngine.serves(opt) and not SwapEngine.serves(opt)
+    assert MindSporeSwapEngine.param_devices(opt) == {"CPU"}
+    assert _engine_class(opt) is MindSporeSwapEngine
+
+
 def test_auto_on_cpu_parameters_installs_nothing_and_says_so(monkeypatch):
     monkeypatch.setattr("swapopt_core._api._warned_cpu_auto", False)
     opt = nn.Adam(make_params())

@@ -109,6 +109,17 @@ def test_not_an_optimizer_points_at_the_wrapped_one() -> None:
         swap_optimizer(torch.optim.Adam(_params()), {"swap_times": 4})  # type: ignore[arg-type]
 
 
+def test_only_the_torch_engine_serves_a_torch_optimizer() -> None:
+    from swapopt_core._mindspore.engine import MindSporeSwapEngine
+    from swapopt_core._torch.engine import SwapEngine
+
+    opt = torch.optim.Adam(_params())
+    assert SwapEngine.serves(opt) and not MindSporeSwapEngine.serves(opt)
+    assert not SwapEngine.serves(object())
+    assert SwapEngine.param_devices(opt) == {"cpu"}
+    assert api._engine_class(opt) is SwapEngine
+
+
 def test_second_install_with_another_config_is_refused() -> None:
     opt = torch.optim.Adam(_params())
     assert swap_optimizer(opt, LOOPBACK) is opt

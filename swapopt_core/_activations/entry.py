@@ -122,11 +122,12 @@ class Entry:
         self.replaying = trace is not None and schedule is not None
         self.recording = not self.replaying
         self.diverged = False
-        self.trace = trace
-        self.ops_planned = len(trace.ops) if self.replaying and trace is not None else 0
-        self.schedule = schedule if self.replaying and schedule is not None else None
+        self.trace = trace if self.replaying else None
+        self.schedule = schedule if self.replaying else None
+        self.ops_planned = len(trace.ops) if trace is not None and self.replaying else 0
         self.op = -1
         self.opaque = 0
+        # Storages made after a fall-back get ids the trace does not use.
         self.next_sid = 1 + max(trace.storage_sizes, default=0) if trace is not None else 1
         self.ops: list[tuple[str, Any, Any, tuple[Access, ...]]] = []
         self._virtual: list[_Open] = []

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
+from swapopt_core._options import Invalid, parse_int
 from swapopt_core._planning.interface import AUTO, DEFAULT_PLANNER
 
 logger = logging.getLogger(__name__)
@@ -46,11 +47,19 @@ def _command(name: str, summary: str) -> Callable[[Configure], Configure]:
     return register
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+def _flag(parse: Callable[[object], object], accepted: str) -> Callable[[str], object]:
+    """An argparse ``type`` that reads a flag with the options parser of the configs."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except Invalid:
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+
+    return convert
+
+
+_positive_int = _flag(parse_int(1), "an integer >= 1")
 
 
 @_command("demo", "train a tiny GPT with plain and with swapped AdamW and compare them")

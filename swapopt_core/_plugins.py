@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 #: Entry-point group third-party plugins register under.
 ENTRY_POINT_GROUP = PROJECT
-#: The built-in plugins, one module per backend, registered like any third-party plugin.
+#: The built-in plugins (one module per backend, one for the planners), registered like any
+#: third-party plugin.
 DEFAULT_PLUGINS = (
     "swapopt_core._torch.plugin",
     "swapopt_core._planning.plugin",

@@ -1,9 +1,10 @@
 """Every hook swapopt calls, and the markers plugins use to implement them.
 
 A plugin is any object (usually a module) with functions marked ``@swapopt_core.hookimpl``
-whose names match the specs below. Built-in runtimes and optimizer adapters are registered
-the same way, so a plugin can do anything a built-in does. Third-party plugins are found
-through the ``swapopt`` entry-point group.
+whose names match the specs below. The built-in runtimes, optimizer adapters and planners
+are registered the same way (``swapopt_core._plugins.DEFAULT_PLUGINS``), so a plugin can do
+anything a built-in does. Third-party plugins are found through the ``swapopt`` entry-point
+group.
 """
 
 from __future__ import annotations

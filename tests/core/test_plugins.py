@@ -26,6 +26,8 @@ from swapopt_core import (
     swap_optimizer,
     swap_stats,
 )
+from swapopt_core._planning.interface import resolve_planner
+from swapopt_core._plugins import residency_planners
 
 
 class SgdMomentumAdapter(OptimizerAdapter):
@@ -131,13 +133,30 @@ def test_every_hook_is_in_the_plugin_docs() -> None:
     assert [name for name in specs if f"`{name}(" not in text] == []
 
 
-def _documented_sgd_plugin() -> types.ModuleType:
-    """The plugin module that docs/plugins.md shows under "Adding an optimizer family"."""
-    section = PLUGINS_DOC.read_text().split("## Adding an optimizer family", 1)[1]
+def _documented_module(heading: str) -> types.ModuleType:
+    """The first Python block under ``heading`` in docs/plugins.md, run as a module."""
+    section = PLUGINS_DOC.read_text().split(f"## {heading}\n", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    module = types.ModuleType("plugins_md_sgd")
+    module = types.ModuleType("plugins_md_example")
     exec(compile(code, str(PLUGINS_DOC), "exec"), module.__dict__)
     return module
+
+
+def _documented_sgd_plugin() -> types.ModuleType:
+    return _documented_module("Adding an optimizer family")
+
+
+def test_the_documented_planner_is_found_by_its_name(plugin_manager: pluggy.PluginManager) -> None:
+    planner = _documented_module("Adding an activation planner").MyPlanner()
+
+    class PlannerPlugin:
+        @hookimpl
+        def swapopt_register_planners(self) -> list[swapopt_core.ResidencyPlanner]:
+            return [planner]
+
+    plugin_manager.register(PlannerPlugin())
+    assert resolve_planner("mine", residency_planners(plugin_manager)) is planner
+    assert resolve_planner("auto", residency_planners(plugin_manager)).name == "timed"
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])

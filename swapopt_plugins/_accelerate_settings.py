@@ -74,3 +74,23 @@ class SwapOptimizerPlugin:
     def offload_config(self) -> OffloadConfig | None:
         """The ``OffloadConfig`` for the activation budget, or ``None`` when it is unset."""
         return self._settings().activations
+
+    def refusal(self, distributed_type: str, *, fsdp_offloads_params: bool) -> str | None:
+        """Why the swap cannot run under ``distributed_type`` (Accelerate's
+        ``DistributedType`` value), or ``None`` when it can (or is off)."""
+        if not self.enabled:
+            return None
+        if distributed_type in ("DEEPSPEED", "MEGATRON_LM"):
+            return (
+                f"swapopt cannot swap optimizer state under distributed type {distributed_type}: "
+                "that engine owns its optimizer. With DeepSpeed use its own offload "
+                "(deepspeed_config: offload_optimizer_device: cpu) and leave "
+                "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=none; or train with DDP or FSDP2 "
+                "(fsdp_version: 2) to use swapopt."
+            )
+        if distributed_type == "FSDP" and fsdp_offloads_params:
+            return (
+                "swapopt cannot swap optimizer state with FSDP cpu_offload=True: parameters and "
+                "state already live on the CPU. Turn one of the two off."
+            )
+        return None

@@ -17,7 +17,6 @@ from typing import Any
 
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType
 
 from swapopt_core import (
     OffloadSession,
@@ -43,25 +42,11 @@ __all__ = [
 
 
 def _check_supported(accelerator: Accelerator, plugin: SwapOptimizerPlugin) -> None:
-    if not plugin.enabled:
-        return
-    kind = accelerator.distributed_type
-    if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        raise ValueError(
-            f"swapopt cannot swap optimizer state under distributed type {kind.value}: that "
-            "engine owns its optimizer. With DeepSpeed use its own offload "
-            "(deepspeed_config: offload_optimizer_device: cpu) and leave "
-            "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=none; or train with DDP or FSDP2 "
-            "(fsdp_version: 2) to use swapopt."
-        )
     fsdp = getattr(accelerator.state, "fsdp_plugin", None)
-    if kind == DistributedType.FSDP and getattr(
-        getattr(fsdp, "cpu_offload", None), "offload_params", False
-    ):
-        raise ValueError(
-            "swapopt cannot swap optimizer state with FSDP cpu_offload=True: parameters and "
-            "state already live on the CPU. Turn one of the two off."
-        )
+    offloads = getattr(getattr(fsdp, "cpu_offload", None), "offload_params", False)
+    refusal = plugin.refusal(accelerator.distributed_type.value, fsdp_offloads_params=offloads)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 class _SwapState:

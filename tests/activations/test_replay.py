@@ -11,30 +11,13 @@ from swapopt_core import (
     ActivationTrace,
     OffloadConfig,
     OffloadSession,
-    ResidencyPlanner,
     ResidencySchedule,
-    hookimpl,
-    new_plugin_manager,
 )
 from swapopt_core._cli.main import main
 from swapopt_core._planning.ir import ActionKind
 from swapopt_core._planning.simulate import simulate
 from swapopt_core._planning.synthetic import SHAPES, llama_training_trace
-from tests.activations.test_session import Net, OffloadEveryGap, Wide, _batch, _grads, _step
-
-
-class _Plugin:
-    @hookimpl
-    def swapopt_register_planners(self) -> list[ResidencyPlanner]:
-        return [OffloadEveryGap()]
-
-
-@pytest.fixture
-def manager():
-    manager = new_plugin_manager(load_entrypoints=False)
-    manager.register(_Plugin())
-    return manager
-
+from tests.activations.test_session import Net, Wide, _batch, _grads, _step
 
 EVERY_GAP = OffloadConfig(
     max_resident_activation_mb=0.25, runtime="loopback", planner="every-gap", min_offload_kib=0

@@ -1,0 +1,56 @@
+"""Shared by the activation tests: a planner that exercises every action, registered on a
+fresh plugin manager."""
+
+from __future__ import annotations
+
+import pytest
+
+from swapopt_core import (
+    ActivationTrace,
+    ResidencyPlanner,
+    ResidencySchedule,
+    hookimpl,
+    new_plugin_manager,
+)
+from swapopt_core._planning.ir import AccessKind, ActionKind
+
+
+class OffloadEveryGap(ResidencyPlanner):
+    """Offloads every storage across every idle gap: exercises all four actions."""
+
+    name = "every-gap"
+
+    def plan(self, trace: ActivationTrace) -> ResidencySchedule:
+        schedule = ResidencySchedule()
+        seen: dict[int, list[tuple[int, AccessKind]]] = {}
+        for index, op in enumerate(trace.ops):
+            for access in op.accesses:
+                seen.setdefault(access.storage_id, []).append((index, access.kind))
+        for sid, accesses in seen.items():
+            offloaded = False
+            for (here, _), (there, _) in zip(accesses, accesses[1:], strict=False):
+                if there - here < 2:
+                    continue
+                last_write = max(
+                    i for i, kind in accesses if i <= here and kind is AccessKind.WRITE
+                )
+                schedule.add_post(last_write, sid, ActionKind.COPY_D2H)
+                schedule.add_post(here, sid, ActionKind.RELEASE_DEVICE)
+                schedule.add_pre(there - 1, sid, ActionKind.COPY_H2D)
+                offloaded = True
+            if offloaded and sid not in trace.retained_sids:
+                schedule.add_post(accesses[-1][0], sid, ActionKind.RELEASE_HOST)
+        return schedule
+
+
+class _Plugin:
+    @hookimpl
+    def swapopt_register_planners(self) -> list[ResidencyPlanner]:
+        return [OffloadEveryGap()]
+
+
+@pytest.fixture
+def manager():
+    manager = new_plugin_manager(load_entrypoints=False)
+    manager.register(_Plugin())
+    return manager

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "MAX_BYTES",
     "NO",
     "YES",
     "Invalid",
@@ -33,6 +34,8 @@ YES = ("1", "true", "yes", "y", "on", "t")
 NO = ("0", "false", "no", "n", "off", "f")
 #: Words that mean "no value" where a field accepts None.
 NONE_WORDS = ("none", "null")
+#: The largest byte count a size may come to: sizes become int64 byte counts downstream.
+MAX_BYTES = 2**63 - 1
 
 
 class Invalid(Exception):
@@ -71,8 +74,14 @@ def parse_int(minimum: int) -> Callable[[object], int]:
     return parse
 
 
-def parse_mib(*, allow_none: bool) -> Callable[[object], float | None]:
-    """A parser for a size in MiB (a number >= 0, or its text); ``none`` if allowed."""
+def parse_mib(*, allow_none: bool, unit: int = 2**20) -> Callable[[object], float | None]:
+    """A parser for a size (a number >= 0, or its text); ``none`` if allowed.
+
+    Args:
+        allow_none: Whether ``None`` and the ``NONE_WORDS`` mean "no value".
+        unit: Bytes per unit (``2**20`` for MiB, ``2**10`` for KiB): sizes whose bytes
+            would not fit in an int64 are refused, as are infinities and NaN.
+    """
 
     def parse(value: object) -> float | None:
         word = _word(value)
@@ -85,7 +94,7 @@ def parse_mib(*, allow_none: bool) -> Callable[[object], float | None]:
                 raise Invalid from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise Invalid
-        if not 0 <= value < float("inf"):
+        if not 0 <= value < float("inf") or value * unit > MAX_BYTES:
             raise Invalid
         return float(value)
 

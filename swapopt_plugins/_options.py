@@ -59,7 +59,7 @@ _OWN = {
     "offload_optimizer_device": Option(_device, "'none' or 'cpu'"),
     "activation_budget_mb": Option(
         parse_mib(allow_none=True),
-        "a number of MiB >= 0, or 'none' to switch activation offload off",
+        f"a number of MiB >= 0, or 'none' to switch activation offload off (below {2**43})",
     ),
 }
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from swapopt_core._options import Option, parse_choice, parse_mib, parse_name, read_options
+from swapopt_core._options import (
+    MAX_BYTES,
+    Option,
+    parse_choice,
+    parse_mib,
+    parse_name,
+    read_options,
+)
 from swapopt_core._planning.interface import AUTO, DEFAULT_MIN_OFFLOAD_BYTES
 
 __all__ = ["RUNTIMES", "OffloadConfig"]
@@ -14,11 +22,22 @@ __all__ = ["RUNTIMES", "OffloadConfig"]
 RUNTIMES = ("auto", "cuda", "loopback")
 
 
-def _number(name: str, value: object, *, minimum: float) -> None:
+_UNITS = {"MiB": 2**20, "KiB": 2**10}
+
+
+def _size(name: str, value: object, unit: str) -> None:
+    """Refuse a size that is not a number, negative, NaN, infinite, or too big in bytes."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"OffloadConfig.{name} must be a number of MiB, got {value!r}.")
-    if not value >= minimum:
-        raise ValueError(f"OffloadConfig.{name} must be >= {minimum} MiB, got {value!r}.")
+        raise TypeError(f"OffloadConfig.{name} must be a number of {unit}, got {value!r}.")
+    if not value >= 0:
+        raise ValueError(f"OffloadConfig.{name} must be >= 0 {unit}, got {value!r}.")
+    limit = MAX_BYTES // _UNITS[unit]
+    # Byte counts are int64 downstream; an infinite or absurd size would overflow there.
+    if not math.isfinite(value) or value > limit:
+        raise ValueError(
+            f"OffloadConfig.{name} must be a finite number of {unit} below {limit + 1}, got "
+            f"{value!r}. Give the real size; a budget larger than the device is never binding."
+        )
 
 
 @dataclass(frozen=True)
@@ -59,9 +78,9 @@ class OffloadConfig:
     min_offload_kib: float = DEFAULT_MIN_OFFLOAD_BYTES // 2**10
 
     def __post_init__(self) -> None:
-        _number("max_resident_activation_mb", self.max_resident_activation_mb, minimum=0)
-        _number("max_offload_activation_mb", self.max_offload_activation_mb, minimum=0)
-        _number("min_offload_kib", self.min_offload_kib, minimum=0)
+        _size("max_resident_activation_mb", self.max_resident_activation_mb, "MiB")
+        _size("max_offload_activation_mb", self.max_offload_activation_mb, "MiB")
+        _size("min_offload_kib", self.min_offload_kib, "KiB")
         if not isinstance(self.planner, str) or not self.planner:
             raise ValueError(
                 f"OffloadConfig.planner must be a planner name, got {self.planner!r}. "
@@ -105,11 +124,13 @@ class OffloadConfig:
         return cls(**read_options(_OPTIONS, values, source=source, labels=labels))
 
 
-_MIB = Option(parse_mib(allow_none=False), "a number of MiB >= 0")
+_MIB = Option(parse_mib(allow_none=False), f"a number of MiB >= 0 and below {2**43}")
 _OPTIONS = {
     "max_resident_activation_mb": _MIB,
     "max_offload_activation_mb": _MIB,
     "planner": Option(parse_name, "a registered planner name, or 'auto'"),
     "runtime": Option(parse_choice(lambda: RUNTIMES), "one of {choices}", lambda: RUNTIMES),
-    "min_offload_kib": Option(parse_mib(allow_none=False), "a number of KiB >= 0"),
+    "min_offload_kib": Option(
+        parse_mib(allow_none=False, unit=2**10), f"a number of KiB >= 0 and below {2**53}"
+    ),
 }

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from swapopt_core import SwapOptimizerConfig
+from swapopt_core import OffloadConfig, SwapOptimizerConfig
 
 
 def test_defaults_match_the_design() -> None:
@@ -56,3 +56,34 @@ def test_state_keys_are_normalised_to_a_tuple() -> None:
 def test_prefetch_depth_is_not_a_knob() -> None:
     with pytest.raises(TypeError):
         SwapOptimizerConfig(prefetch_batches=2)  # type: ignore[call-arg]
+
+
+# ---- OffloadConfig: non-finite and absurd sizes (issue 10) ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "unit"),
+    [
+        ("max_resident_activation_mb", "MiB"),
+        ("max_offload_activation_mb", "MiB"),
+        ("min_offload_kib", "KiB"),
+    ],
+)
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e308, 2**63])
+def test_offload_config_refuses_sizes_not_held_in_int64_bytes(
+    field: str, unit: str, value: float
+) -> None:
+    with pytest.raises(ValueError) as info:
+        OffloadConfig(**{field: value})
+    message = str(info.value)
+    assert f"OffloadConfig.{field}" in message and repr(value) in message and unit in message
+
+
+def test_offload_config_min_offload_kib_error_says_kib() -> None:
+    with pytest.raises(ValueError, match=r"min_offload_kib must be .*KiB, got -1"):
+        OffloadConfig(min_offload_kib=-1)
+
+
+def test_offload_config_largest_sizes_still_give_bytes() -> None:
+    config = OffloadConfig(max_resident_activation_mb=2**42, min_offload_kib=2**52)
+    assert config.budget_bytes == 2**62 and config.min_offload_bytes == 2**62

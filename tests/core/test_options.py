@@ -260,3 +260,36 @@ def test_offload_config_bad_values_are_named(field: str, value: object, accepted
 def test_offload_config_unknown_field() -> None:
     with pytest.raises(ValueError, match=r"OffloadConfig has no option 'budget'.*'planner'"):
         OffloadConfig.from_options({"budget": 1})
+
+
+# ---- sizes that cannot be held in bytes (issue 10) ------------------------------------------
+
+
+@pytest.mark.parametrize("value", [1e308, "1e308", 2.0**43, "9e15"])
+def test_mib_rejects_sizes_whose_bytes_overflow_int64(value: object) -> None:
+    with pytest.raises(Invalid):
+        parse_mib(allow_none=False)(value)
+
+
+def test_kib_limit_is_in_kib() -> None:
+    assert parse_mib(allow_none=False, unit=2**10)(2.0**43) == 2.0**43
+    with pytest.raises(Invalid):
+        parse_mib(allow_none=False, unit=2**10)(2.0**53)
+
+
+@pytest.mark.parametrize(
+    ("field", "variable"),
+    [
+        ("max_resident_activation_mb", "SWAPOPT_ACTIVATION_BUDGET_MB"),
+        ("max_offload_activation_mb", "FLAG"),
+        ("min_offload_kib", "FLAG"),
+    ],
+)
+@pytest.mark.parametrize("value", ["1e308", 1e308, float("inf"), "inf"])
+def test_offload_config_from_options_refuses_absurd_sizes(
+    field: str, variable: str, value: object
+) -> None:
+    with pytest.raises(ValueError) as info:
+        OffloadConfig.from_options({field: value}, labels={field: variable})
+    assert f"{variable}={value!r} is invalid" in str(info.value)
+    assert "below" in str(info.value)

@@ -276,3 +276,10 @@ def test_parsing_needs_no_framework() -> None:
     assert "pip install 'swapopt[lightning]'" in result["missing"][0]
     assert "pip install 'swapopt[mindformers]'" in result["missing"][1]
     assert result["imported"] == []
+
+
+@pytest.mark.parametrize("value", ["inf", "1e308", "Infinity", "nan"])
+def test_activation_budget_variable_refuses_sizes_beyond_int64_bytes(value: str) -> None:
+    # Before issue 10, 1e308 was accepted and the session failed later with OverflowError.
+    with pytest.raises(ValueError, match=rf"SWAPOPT_ACTIVATION_BUDGET_MB='{value}' is invalid"):
+        _read({"SWAPOPT_ACTIVATION_BUDGET_MB": value})

@@ -247,6 +247,26 @@ def test_launcher_reports_invalid_yaml(tmp_path, capsys) -> None:
     assert "missing.yaml" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("context: CPU", "context='CPU' must be a mapping"),
+        ("context: {device_target: 3}", "context.device_target=3 must be a device name"),
+        ("1: 2\nswap_optimizer: {swap_times: 2}", "YAML key 1 at the top level is not a string"),
+        ("trainer: {swap_optimizer: {swap_times: 8}}", "misplaced at trainer.swap_optimizer"),
+        ("swap_optimizer: {state_keys: [[exp_avg]]}", "swap_optimizer.state_keys=[['exp_avg']]"),
+        ("swap_optimizer: {swap_times: 2}\ncallbacks: 0", "callbacks=0 must be a list"),
+    ],
+)
+def test_launcher_reports_hostile_yaml_in_one_line(tmp_path, capsys, text, words) -> None:
+    # Issue 10: these were TypeError / AttributeError tracebacks, or silently ignored.
+    path = tmp_path / "train.yaml"
+    path.write_text(text)
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and err[0].startswith("python -m swapopt_plugins")
+
+
 def test_import_without_mindformers_names_the_extra(monkeypatch) -> None:
     monkeypatch.delitem(sys.modules, "swapopt_plugins.mindformers")
     monkeypatch.setitem(sys.modules, "mindformers.pynative.callback", None)

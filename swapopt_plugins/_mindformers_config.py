@@ -25,6 +25,7 @@ __all__ = [
     "SECTION",
     "SwapOptimizerSection",
     "build_trainer_config",
+    "read_context",
 ]
 
 SECTION = "swap_optimizer"
@@ -123,6 +124,61 @@ class SwapOptimizerSection:
         return {"type": CALLBACK_NAME, **_plain(self.config)}
 
 
+def _where(path: tuple[object, ...]) -> str:
+    """A YAML path as a user would write it: ``trainer.callbacks[0]``, or ``the top level``."""
+    text = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path)
+    return text.lstrip(".") or "the top level"
+
+
+def _check_keys(config: Mapping[Any, Any]) -> None:
+    """Refuse non-string keys anywhere, and a ``swap_optimizer:`` section below the top."""
+    pending: list[tuple[tuple[object, ...], object]] = [((), config)]
+    while pending:  # a loop, not recursion: a deeply nested YAML must not overflow the stack
+        path, node = pending.pop()
+        if isinstance(node, list):
+            pending.extend(((*path, index), item) for index, item in enumerate(node))
+            continue
+        if not isinstance(node, Mapping):
+            continue
+        for key, value in node.items():
+            if not isinstance(key, str):
+                raise ValueError(
+                    f"The YAML key {key!r} at {_where(path)} is not a string; MindFormers "
+                    f"reads keys as setting names. Quote it ('{key}': ...) or remove it."
+                )
+            if key == SECTION and path:
+                raise ValueError(
+                    f"'{SECTION}:' is misplaced at {_where((*path, key))}: the launcher reads "
+                    f"it only at the top level of the YAML. Move the section there (unindented, "
+                    f"beside 'trainer:'), or remove it."
+                )
+            pending.append(((*path, key), value))
+
+
+def read_context(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The YAML's ``context:`` section, checked for the launcher (``{}`` without one).
+
+    Raises:
+        ValueError: ``context`` is not a mapping, or its ``device_target`` is not a
+            non-empty name; the message shows the value and how to write it.
+    """
+    context = config.get("context")
+    if context is None:
+        return {}
+    if not isinstance(context, Mapping):
+        raise ValueError(
+            f"context={context!r} must be a mapping of MindSpore context settings. Write e.g. "
+            "'context: {device_target: CPU, mode: 1}', or leave the section out."
+        )
+    target = context.get("device_target")
+    if target is not None and (not isinstance(target, str) or not target.strip()):
+        raise ValueError(
+            f"context.device_target={target!r} must be a device name such as 'CPU' or "
+            "'Ascend'; leave it out to keep MindSpore's default device."
+        )
+    return dict(context)
+
+
 def build_trainer_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config dict the launcher hands to MindFormers' pynative ``Trainer``.
 
@@ -131,19 +187,31 @@ def build_trainer_config(config: Mapping[str, Any]) -> dict[str, Any]:
     its settings is appended to ``callbacks``. ``config`` itself is not modified.
 
     Raises:
-        ValueError: The section is invalid, or it is enabled while ``callbacks`` already
-            lists a ``SwapOptimizerCallback`` (configure the swap in one place).
+        ValueError: A key anywhere in ``config`` is not a string; a ``swap_optimizer:``
+            section is nested below the top level; the section is invalid; ``callbacks``
+            is not a list of ``{type: ...}`` entries while the section is enabled; or the
+            section is enabled while ``callbacks`` already lists a ``SwapOptimizerCallback``
+            (configure the swap in one place).
     """
+    _check_keys(config)
     result = copy.deepcopy(dict(config))
     if SECTION not in result:
         return result
     section = SwapOptimizerSection.from_yaml(result.pop(SECTION))
     if not section.enable:
         return result
-    callbacks = result.get("callbacks") or []
-    if not isinstance(callbacks, list):
-        raise ValueError(f"callbacks must be a list of {{type: ...}} entries, got {callbacks!r}.")
-    if any(isinstance(c, Mapping) and c.get("type") == CALLBACK_NAME for c in callbacks):
+    callbacks = result.get("callbacks")
+    callbacks = [] if callbacks is None else callbacks
+    bad = not isinstance(callbacks, list) or not all(
+        isinstance(c, Mapping) and isinstance(c.get("type"), str) for c in callbacks
+    )
+    if bad:
+        raise ValueError(
+            f"callbacks={callbacks!r} must be a list of {{type: ...}} entries for the "
+            f"'{SECTION}:' section to add its {CALLBACK_NAME} to; write e.g. "
+            "'callbacks: [{type: MFLossMonitor}]', or leave 'callbacks:' out."
+        )
+    if any(c.get("type") == CALLBACK_NAME for c in callbacks):
         raise ValueError(
             f"The YAML enables the '{SECTION}:' section and also lists a {CALLBACK_NAME} under "
             f"'callbacks:'. Configure the swap in one place: remove that callbacks entry, or "

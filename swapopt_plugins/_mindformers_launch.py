@@ -17,7 +17,12 @@ from typing import Any
 
 import mindspore as ms
 
-from swapopt_plugins._mindformers_config import GRAPH_HINT, SECTION, build_trainer_config
+from swapopt_plugins._mindformers_config import (
+    GRAPH_HINT,
+    SECTION,
+    build_trainer_config,
+    read_context,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +31,7 @@ __all__ = ["main"]
 
 def _apply_context(config: Mapping[str, Any]) -> None:
     """PyNative mode, and the device named by ``context.device_target`` if the YAML has one."""
-    context = config.get("context") or {}
+    context = read_context(config)
     mode = context.get("mode", ms.PYNATIVE_MODE)
     if mode != ms.PYNATIVE_MODE:
         raise ValueError(

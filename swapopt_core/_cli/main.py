@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -62,10 +63,38 @@ def _flag(parse: Callable[[object], object], accepted: str) -> Callable[[str], o
 _positive_int = _flag(parse_int(1), "an integer >= 1")
 
 
+def _user_error(parser: argparse.ArgumentParser, message: str) -> int:
+    """Report a wrong input in one line, without the usage text, and return exit code 2."""
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _demo_device(text: str | None) -> str | None:
+    """The demo's ``--device``: ``cpu``, ``cuda`` or ``cuda:N``, checked before any work."""
+    import torch
+
+    if text is None:
+        return None
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(
+            f"expected cpu, cuda or cuda:N, got {text!r} (the demo runs on CPU or CUDA)"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return text
+
+
 @_command("demo", "train a tiny GPT with plain and with swapped AdamW and compare them")
 def _demo_command(parser: argparse.ArgumentParser) -> Handler:
     """Declares ``swapopt demo``: two identical training runs, one with the swap installed."""
-    import torch
 
     from swapopt_core._cli.demo import DemoOptions, render_report, run_demo
 
@@ -104,6 +133,7 @@ def _demo_command(parser: argparse.ArgumentParser) -> Handler:
     )
     add(
         "--device",
+        type=_demo_device,
         default=defaults.device,
         help="torch device (default: cuda if available, else cpu; cpu uses the loopback runtime)",
     )
@@ -119,8 +149,6 @@ def _demo_command(parser: argparse.ArgumentParser) -> Handler:
     def run(args: argparse.Namespace) -> int:
         if args.width % defaults.heads:
             parser.error(f"--width must be a multiple of {defaults.heads}")
-        if str(args.device).startswith("cuda") and not torch.cuda.is_available():
-            parser.error(f"--device {args.device}: CUDA is not available on this machine")
         options = DemoOptions(
             steps=args.steps,
             swap_times=args.swap_times,
@@ -167,12 +195,12 @@ def _plan_command(parser: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         try:
-            cli.writable_target(args.out)
+            cli.writable_target(args.out, inputs={"--trace": args.trace})
             trace, schedule, planner = cli.plan_file(args.trace, args.budget_mb, args.planner)
             result = simulate(trace, schedule)
             cli.write_text(args.out, schedule.to_json())
         except cli.CommandError as error:
-            parser.error(str(error))
+            return _user_error(parser, str(error))
         console = Console()
         console.print(cli.summary(trace, schedule, planner, result))
         console.print(f"Schedule written to {args.out}.")
@@ -215,7 +243,7 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
                 f"--schedule {args.schedule} is already planned. Drop one of them."
             )
         try:
-            cli.image_target(args.out)
+            cli.image_target(args.out, inputs={"--trace": args.trace, "--schedule": args.schedule})
             if args.schedule is not None:
                 trace = cli.read_trace(args.trace)
                 if args.budget_mb is not None:
@@ -224,11 +252,15 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
                 cli.simulate_checked(trace, schedule, args.schedule)
             else:
                 trace, schedule, _ = cli.plan_file(args.trace, args.budget_mb, args.planner)
-            result = plot_timeline(trace, schedule, args.out)
+            result = None
+
+            def draw(temporary: str) -> None:
+                nonlocal result
+                result = plot_timeline(trace, schedule, temporary)
+
+            cli.atomic_write(args.out, draw)
         except (cli.CommandError, ModuleNotFoundError) as error:  # matplotlib is optional
-            parser.error(str(error))
-        except OSError as error:
-            parser.error(f"--out {args.out}: cannot be written ({error}).")
+            return _user_error(parser, str(error))
         Console().print(
             f"Memory timeline written to {args.out} (peak "
             f"{result.peak_bytes / cli.MIB:,.1f} MiB, overhead "

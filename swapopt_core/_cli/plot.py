@@ -136,5 +136,6 @@ def plot_timeline(
     if planned.demand_fetches:
         title += f", {planned.demand_fetches} demand fetches"
     figure.suptitle(title)
-    figure.savefig(out, dpi=dpi)
+    suffix = Path(out).suffix.lstrip(".").lower() or None
+    figure.savefig(out, dpi=dpi, format=suffix)  # the format from ``out``, not a temporary name
     return planned

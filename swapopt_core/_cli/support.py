@@ -8,6 +8,9 @@ command line turns it into exit code 2.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ __all__ = [
     "DEFAULT_PLANNER",
     "IMAGE_SUFFIXES",
     "CommandError",
+    "atomic_write",
     "budget_bytes",
     "choose_planner",
     "image_target",
@@ -158,16 +162,42 @@ def plan_file(
     return (*plan_trace(trace, limit, planner), planner.name)
 
 
-def write_text(path: str, text: str, flag: str = "--out") -> None:
-    """Write ``text`` to ``path``; a refused write is a ``CommandError``."""
+def atomic_write(path: str, write: Callable[[str], None], flag: str = "--out") -> None:
+    """Have ``write`` fill a temporary file beside ``path``, then rename it onto ``path``.
+
+    A write that fails (disk full, a size limit, an interrupt) leaves ``path`` as it was: the
+    rename is atomic within one folder, and the temporary file is removed.
+    """
+    target = Path(path)
+    handle, temporary = tempfile.mkstemp(
+        prefix=f".{target.name}.", suffix=f".tmp{target.suffix}", dir=target.parent
+    )
+    os.close(handle)
     try:
-        Path(path).write_text(text, encoding="utf-8")
+        write(temporary)
+        os.replace(temporary, target)
     except OSError as error:
         raise CommandError(f"{flag} {path}: cannot be written ({error}).") from None
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
-def writable_target(path: str, flag: str = "--out") -> None:
-    """Refuse ``path`` early when its folder is missing or it names a folder."""
+def write_text(path: str, text: str, flag: str = "--out") -> None:
+    """Write ``text`` to ``path`` atomically; a refused write is a ``CommandError``."""
+
+    def write(temporary: str) -> None:
+        with open(temporary, "w", encoding="utf-8") as file:
+            file.write(text)
+
+    atomic_write(path, write, flag)
+
+
+def writable_target(
+    path: str, flag: str = "--out", *, inputs: dict[str, str] | None = None
+) -> None:
+    """Refuse ``path`` early when its folder is missing, it names a folder, or it is one of
+    the ``inputs`` (flag to path): writing there would overwrite what the command reads."""
     file = Path(path)
     if file.is_dir():
         raise CommandError(f"{flag} {path}: is a directory. Pass a file name.")
@@ -175,15 +205,31 @@ def writable_target(path: str, flag: str = "--out") -> None:
         raise CommandError(
             f"{flag} {path}: the folder {file.parent} does not exist. Create it first."
         )
+    for other_flag, other in (inputs or {}).items():
+        if other is not None and _same_file(file, Path(other)):
+            raise CommandError(
+                f"{flag} {path}: is the file given to {other_flag}, which would be overwritten. "
+                f"Pass another file name to {flag}."
+            )
+
+
+def _same_file(one: Path, other: Path) -> bool:
+    try:
+        return one.resolve() == other.resolve() or (
+            one.exists() and other.exists() and os.path.samefile(one, other)
+        )
+    except OSError:
+        return False
 
 
 #: Image formats ``swapopt plot`` writes, by file suffix.
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-def image_target(path: str, flag: str = "--out") -> None:
-    """Refuse an image path whose folder is missing or whose suffix names no known format."""
-    writable_target(path, flag)
+def image_target(path: str, flag: str = "--out", *, inputs: dict[str, str] | None = None) -> None:
+    """Refuse an image path whose folder is missing, that is one of the ``inputs``, or whose
+    suffix names no known format."""
+    writable_target(path, flag, inputs=inputs)
     if Path(path).suffix.lower() not in IMAGE_SUFFIXES:
         raise CommandError(
             f"{flag} {path}: the file name must end in {', '.join(IMAGE_SUFFIXES)} (the format "

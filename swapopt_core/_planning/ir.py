@@ -19,6 +19,9 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
+
+from swapopt_core._planning import checked_json as cj
 
 __all__ = [
     "DEFAULT_MIN_OFFLOAD_BYTES",
@@ -157,28 +160,67 @@ class ActivationTrace:
 
     @classmethod
     def from_json(cls, text: str) -> ActivationTrace:
-        """Parse what ``to_json`` wrote; a missing or malformed key raises ``ValueError``."""
-        data = _load_object(text, "trace")
-        try:
-            ops = tuple(
-                TraceOp(
-                    str(op["name"]),
-                    float(op["duration_ms"]),
-                    tuple(_access_from(a) for a in op.get("accesses", ())),
-                )
-                for op in data["ops"]
+        """Parse what ``to_json`` wrote.
+
+        Every value is checked: sizes and byte counts are integers >= 0 that fit in int64,
+        durations finite numbers >= 0, bandwidths finite and > 0, kinds known names, and
+        retained storages listed in ``storage_sizes``.
+
+        Raises:
+            ValueError: Not JSON, nested too deeply, a missing key, or a value out of range;
+                the message names its JSON path (``ops[3].duration_ms``), shows the value
+                and says what is accepted.
+        """
+        data = cj.load_object(text, "trace")
+        for key in ("ops", "storage_sizes"):
+            if key not in data:
+                raise ValueError(f"The trace has no {key!r}; every trace lists it.")
+        sizes = {
+            cj.index_key(sid, f"storage_sizes[{sid!r}]", what="a storage id", signed=True): (
+                cj.as_int(size, f"storage_sizes[{sid!r}]")
             )
-            return cls(
-                ops,
-                {int(sid): int(size) for sid, size in data["storage_sizes"].items()},
-                frozenset(int(s) for s in data.get("retained_sids", ())),
-                None if data.get("memory_limit_bytes") is None else int(data["memory_limit_bytes"]),
-                float(data.get("d2h_bandwidth_gbps", 16.0)),
-                float(data.get("h2d_bandwidth_gbps", 16.0)),
-                int(data.get("min_offload_bytes", DEFAULT_MIN_OFFLOAD_BYTES)),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise ValueError(f"Not an activation trace in the swapopt format: {error!r}") from None
+            for sid, size in cj.as_object(data["storage_sizes"], "storage_sizes").items()
+        }
+        retained = frozenset(
+            _known_sid(sid, f"retained_sids[{i}]", sizes)
+            for i, sid in enumerate(cj.as_list(data.get("retained_sids", []), "retained_sids"))
+        )
+        limit = data.get("memory_limit_bytes")
+        return cls(
+            tuple(_op_from(op, f"ops[{i}]") for i, op in enumerate(cj.as_list(data["ops"], "ops"))),
+            sizes,
+            retained,
+            None if limit is None else cj.as_int(limit, "memory_limit_bytes"),
+            _bandwidth(data, "d2h_bandwidth_gbps"),
+            _bandwidth(data, "h2d_bandwidth_gbps"),
+            cj.as_int(
+                data.get("min_offload_bytes", DEFAULT_MIN_OFFLOAD_BYTES), "min_offload_bytes"
+            ),
+        )
+
+
+def _known_sid(value: object, path: str, sizes: Mapping[int, int]) -> int:
+    sid = cj.as_int(value, path, minimum=None, what="a storage id")
+    if sid not in sizes:
+        cj.fail(path, value, "a storage id listed in storage_sizes")
+    return sid
+
+
+def _bandwidth(data: Mapping[str, Any], key: str) -> float:
+    return cj.as_number(data.get(key, 16.0), key, positive=True, unit="GB/s")
+
+
+def _op_from(value: object, path: str) -> TraceOp:
+    op = cj.as_object(value, path)
+    for key in ("name", "duration_ms"):
+        if key not in op:
+            cj.fail(path, value, f"an op with a {key!r}")
+    accesses = cj.as_list(op.get("accesses", []), f"{path}.accesses")
+    return TraceOp(
+        cj.as_text(op["name"], f"{path}.name"),
+        cj.as_number(op["duration_ms"], f"{path}.duration_ms", unit="milliseconds"),
+        tuple(_access_from(a, f"{path}.accesses[{j}]") for j, a in enumerate(accesses)),
+    )
 
 
 @dataclass(frozen=True)
@@ -227,21 +269,37 @@ class ResidencySchedule:
 
     @classmethod
     def from_json(cls, text: str) -> ResidencySchedule:
-        """Parse what ``to_json`` wrote; a malformed document raises ``ValueError``."""
-        data = _load_object(text, "schedule")
-        try:
-            return cls(
-                {
-                    int(op): [Action(int(a["storage_id"]), ActionKind(a["kind"])) for a in items]
-                    for op, items in data.get("pre", {}).items()
-                },
-                {
-                    int(op): [Action(int(a["storage_id"]), ActionKind(a["kind"])) for a in items]
-                    for op, items in data.get("post", {}).items()
-                },
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise ValueError(f"Not a residency schedule in the swapopt format: {error!r}") from None
+        """Parse what ``to_json`` wrote.
+
+        Raises:
+            ValueError: Not JSON, nested too deeply, or a malformed entry; the message names
+                its JSON path (``pre["3"][0].kind``), shows the value and says what is
+                accepted. Whether the ops and storages exist in a trace is checked where the
+                schedule meets one (``simulate``, a session's ``load_plan``).
+        """
+        data = cj.load_object(text, "schedule")
+        return cls(_side_from(data, "pre"), _side_from(data, "post"))
+
+
+def _side_from(data: Mapping[str, Any], side: str) -> dict[int, list[Action]]:
+    result: dict[int, list[Action]] = {}
+    for op, items in cj.as_object(data.get(side, {}), side).items():
+        path = f"{side}[{op!r}]"
+        result[cj.index_key(op, path, what="an op index")] = [
+            _action_from(item, f"{path}[{j}]") for j, item in enumerate(cj.as_list(items, path))
+        ]
+    return result
+
+
+def _action_from(value: object, path: str) -> Action:
+    action = cj.as_object(value, path)
+    for key in ("storage_id", "kind"):
+        if key not in action:
+            cj.fail(path, value, f"an action with a {key!r}")
+    return Action(
+        cj.as_int(action["storage_id"], f"{path}.storage_id", minimum=None, what="a storage id"),
+        cj.choice(action["kind"], f"{path}.kind", ActionKind),
+    )
 
 
 def _access_json(access: Access) -> dict[str, object]:
@@ -251,22 +309,14 @@ def _access_json(access: Access) -> dict[str, object]:
     return written
 
 
-def _access_from(data: dict) -> Access:
-    output = data.get("output")
-    if output is not None and (isinstance(output, bool) or int(output) < 0):
-        raise ValueError(f"an access's output must be a position >= 0, got {output!r}")
+def _access_from(value: object, path: str) -> Access:
+    access = cj.as_object(value, path)
+    for key in ("storage_id", "kind"):
+        if key not in access:
+            cj.fail(path, value, f"an access with a {key!r}")
+    output = access.get("output")
     return Access(
-        int(data["storage_id"]),
-        AccessKind(data["kind"]),
-        None if output is None else int(output),
+        cj.as_int(access["storage_id"], f"{path}.storage_id", minimum=None, what="a storage id"),
+        cj.choice(access["kind"], f"{path}.kind", AccessKind),
+        None if output is None else cj.as_int(output, f"{path}.output", what="an output position"),
     )
-
-
-def _load_object(text: str, what: str) -> dict:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"The {what} is not valid JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"The {what} must be a JSON object, got {type(data).__name__}.")
-    return data

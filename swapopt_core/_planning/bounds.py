@@ -34,7 +34,6 @@ It ignores everything but link throughput and memory, so real schedules sit abov
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 
 from swapopt_core._planning.ir import ActivationTrace
 from swapopt_core._planning.simulate import TraceIndex
@@ -62,51 +61,88 @@ def feasible(trace: ActivationTrace, *, index: TraceIndex | None = None) -> bool
     return trace.memory_limit_bytes >= min_feasible_budget(trace, index=index)
 
 
+class _PrefixMax:
+    """Bytes at positions ``0..n-1`` and ``max_p (value_p + sign * below_p / bw)`` over the
+    positions holding bytes, where ``below_p`` is the bytes strictly below ``p`` (``sign``
+    -1) or at and below ``p`` (``sign`` +1). A bottom-up segment tree: ``add`` and ``best``
+    take ``O(log n)``, so ``_bounds_per_op`` is ``O((n + accesses) log n)``, not quadratic.
+    """
+
+    def __init__(self, values: list[float], sign: int, bw: float) -> None:
+        self.size = 1 << max(0, len(values) - 1).bit_length()
+        self.values = values
+        self.sign, self.bw = sign, bw
+        self.bytes = [0] * (2 * self.size)
+        self.top = [-math.inf] * (2 * self.size)
+
+    def add(self, position: int, nbytes: int) -> None:
+        node = position + self.size
+        held = self.bytes[node] + nbytes
+        self.bytes[node] = held
+        if not held:
+            self.top[node] = -math.inf
+        elif self.sign > 0:  # the leaf's own bytes count as "at and below"
+            self.top[node] = held / self.bw + self.values[position]
+        else:
+            self.top[node] = self.values[position]
+        held_bytes, top, bw, sign = self.bytes, self.top, self.bw, self.sign
+        node >>= 1
+        while node:  # a parent: the right child's terms shift by the left child's bytes
+            left, right = 2 * node, 2 * node + 1
+            held_bytes[node] = held_bytes[left] + held_bytes[right]
+            top[node] = max(top[left], top[right] + sign * held_bytes[left] / bw)
+            node >>= 1
+
+    def best(self) -> float:
+        return self.top[1]
+
+    def total(self) -> int:
+        return self.bytes[1]
+
+
 def _bounds_per_op(ix: TraceIndex, budget: int) -> tuple[list[float], list[float]]:
-    """``out_i`` and ``in_i`` (ms, clipped at 0; ``inf`` where the budget cannot hold)."""
+    """``out_i`` and ``in_i`` (ms, clipped at 0; ``inf`` where the budget cannot hold).
+
+    Storage ``s`` is offloadable during op ``i`` when ``i`` lies strictly inside a gap
+    between two of its accesses. Sweeping ``i`` forward, a gap's bytes enter two trees
+    when it opens and leave when it closes: one keyed by the op that created ``s`` (for
+    ``out_i``: ``max_f end_f - A_f / bw``), one keyed by the gap's closing reader (for
+    ``in_i``: ``max_r (E_i - Z_r) / bw - window``). Each op with an excess reads both roots.
+    """
     trace = ix.trace
     bw_d2h = trace.d2h_bandwidth_gbps * 1e6
     bw_h2d = trace.h2d_bandwidth_gbps * 1e6
-    sizes, starts, durations = ix.sizes, ix.starts, ix.durations
+    starts, durations = ix.starts, ix.durations
     ends = [s + d for s, d in zip(starts, durations, strict=True)]
-    alive: dict[int, float] = {}  # sid -> end of the op that created it; creation order
-    upcoming: dict[int, int] = {}  # sid -> its next access after the current op
-    position = {sid: 0 for sid in ix.by_storage}
+    created = _PrefixMax(ends, -1, bw_d2h)  # keyed by creation op: out_i
+    readers = _PrefixMax([-s for s in starts], +1, bw_h2d)  # keyed by the next reader: in_i
+    opening: list[list[tuple[int, int, int]]] = [[] for _ in range(ix.n + 1)]
+    closing: list[list[tuple[int, int, int]]] = [[] for _ in range(ix.n + 1)]
+    for sid, accesses in ix.by_storage.items():
+        first, size = ix.first[sid], ix.sizes[sid]
+        for (a, _), (b, _) in zip(accesses, accesses[1:], strict=False):
+            if b > a + 1:  # offloadable during ops a+1 .. b-1
+                opening[a + 1].append((first, b, size))
+                closing[b].append((first, b, size))
     outs, ins = [0.0] * ix.n, [0.0] * ix.n
     for i in range(ix.n):
-        for sid in ix.created_at[i]:
-            alive[sid] = ends[i]
+        for first, reader, size in closing[i]:
+            created.add(first, -size)
+            readers.add(reader, -size)
+        for first, reader, size in opening[i]:
+            created.add(first, size)
+            readers.add(reader, size)
         excess = ix.natural[i] - budget
-        if excess > 0:
-            touched = {sid for sid, _ in ix.accesses[i]}
-            movable = [sid for sid in alive if sid not in touched and sid in upcoming]
-            total = sum(sizes[sid] for sid in movable)
-            if total < excess:
-                outs[i] = ins[i] = math.inf
-            else:
-                # Out: max over creation ops f of (E - bytes created before f) / bw - window;
-                # the first storage of each creation op gives its term, later ones less.
-                before = accumulate((sizes[sid] for sid in movable), initial=0)
-                best = max(
-                    alive[sid] - done / bw_d2h for sid, done in zip(movable, before, strict=False)
-                )
-                outs[i] = max(0.0, excess / bw_d2h - starts[i] + best)
-                # In: max over readers r of (E - bytes read after r) / bw - window.
-                readers = sorted((upcoming[sid], sizes[sid]) for sid in movable)
-                back = accumulate(size for _, size in readers)
-                best = max(
-                    done / bw_h2d - starts[r] for (r, _), done in zip(readers, back, strict=True)
-                )
-                ins[i] = max(0.0, (excess - total) / bw_h2d + ends[i] + best)
-        for sid, _ in ix.accesses[i]:
-            accesses = ix.by_storage[sid]
-            position[sid] += 1
-            if position[sid] < len(accesses):
-                upcoming[sid] = accesses[position[sid]][0]
-            else:
-                upcoming.pop(sid, None)  # never read again: retained ones stay put
-        for sid in ix.freed_at[i]:
-            alive.pop(sid, None)
+        if excess <= 0:
+            continue
+        total = created.total()
+        if total < excess:
+            outs[i] = ins[i] = math.inf
+            continue
+        # Out: max over creation ops f of (E - bytes created before f) / bw - window.
+        outs[i] = max(0.0, excess / bw_d2h - starts[i] + created.best())
+        # In: max over readers r of (E - bytes read after r) / bw - window.
+        ins[i] = max(0.0, (excess - total) / bw_h2d + ends[i] + readers.best())
     return outs, ins
 
 

@@ -230,3 +230,90 @@ def test_no_schedule_beats_the_bound(seed):
                     assert result.stall_ms >= bound - 1e-9
                     checked += 1
     assert checked >= 20
+
+
+# ---- the near-linear sweep against the quadratic one it replaced (issue 10) ----------------
+
+
+def quadratic_bounds_per_op(ix: TraceIndex, budget: int) -> tuple[list[float], list[float]]:
+    """The per-op ``out_i`` / ``in_i`` as computed before issue 10: every op with an excess
+    walks every live storage (``O(ops x live storages)``)."""
+    from itertools import accumulate
+
+    trace = ix.trace
+    bw_d2h, bw_h2d = trace.d2h_bandwidth_gbps * 1e6, trace.h2d_bandwidth_gbps * 1e6
+    sizes, starts = ix.sizes, ix.starts
+    ends = [s + d for s, d in zip(starts, ix.durations, strict=True)]
+    alive: dict[int, float] = {}
+    upcoming: dict[int, int] = {}
+    position = {sid: 0 for sid in ix.by_storage}
+    outs, ins = [0.0] * ix.n, [0.0] * ix.n
+    for i in range(ix.n):
+        for sid in ix.created_at[i]:
+            alive[sid] = ends[i]
+        excess = ix.natural[i] - budget
+        if excess > 0:
+            touched = {sid for sid, _ in ix.accesses[i]}
+            movable = [sid for sid in alive if sid not in touched and sid in upcoming]
+            total = sum(sizes[sid] for sid in movable)
+            if total < excess:
+                outs[i] = ins[i] = math.inf
+            else:
+                before = accumulate((sizes[sid] for sid in movable), initial=0)
+                best = max(
+                    alive[sid] - done / bw_d2h for sid, done in zip(movable, before, strict=False)
+                )
+                outs[i] = max(0.0, excess / bw_d2h - starts[i] + best)
+                readers = sorted((upcoming[sid], sizes[sid]) for sid in movable)
+                back = accumulate(size for _, size in readers)
+                best = max(
+                    done / bw_h2d - starts[r] for (r, _), done in zip(readers, back, strict=True)
+                )
+                ins[i] = max(0.0, (excess - total) / bw_h2d + ends[i] + best)
+        for sid, _ in ix.accesses[i]:
+            accesses = ix.by_storage[sid]
+            position[sid] += 1
+            if position[sid] < len(accesses):
+                upcoming[sid] = accesses[position[sid]][0]
+            else:
+                upcoming.pop(sid, None)
+        for sid in ix.freed_at[i]:
+            alive.pop(sid, None)
+    return outs, ins
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_sweep_equals_the_quadratic_walk(seed):
+    from swapopt_core._planning.bounds import _bounds_per_op
+
+    rng = random.Random(1000 + seed)
+    compared = 0
+    for _ in range(25):
+        trace = random_trace(rng, rng.randint(2, 40), rng.randint(1, 25))
+        ix = TraceIndex(trace)
+        for fraction in (0.95, 0.7, 0.5, 0.2, 0.0):
+            budget = int(fraction * ix.natural_peak)
+            fast, slow = _bounds_per_op(ix, budget), quadratic_bounds_per_op(ix, budget)
+            for got, want in zip(fast, slow, strict=True):
+                assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+            compared += 1
+    assert compared == 125
+
+
+def test_a_long_chain_bounds_equal_the_quadratic_walk():
+    # 600 forward ops keep their activations for the backward: every op sees ~600 live
+    # storages, the case the quadratic walk was slow on.
+    n = 600
+    ops = [{k: "W", **({k - 1: "R"} if k else {})} for k in range(n)]
+    ops += [
+        {k: "R", n + k: "W", **({n + k + 1: "R"} if k < n - 1 else {})} for k in reversed(range(n))
+    ]
+    sizes = {sid: MB for sid in range(2 * n)}
+    trace = make_trace(ops, sizes, limit=n * MB // 2, bw=0.05)
+    from swapopt_core._planning.bounds import _bounds_per_op
+
+    ix = TraceIndex(trace)
+    fast, slow = _bounds_per_op(ix, n * MB // 2), quadratic_bounds_per_op(ix, n * MB // 2)
+    assert fast[0] == pytest.approx(slow[0]) and fast[1] == pytest.approx(slow[1])
+    assert max(fast[0]) > 0 and max(fast[1]) > 0  # both bounds bind somewhere
+    assert 0 < overhead_lower_bound(trace) < math.inf

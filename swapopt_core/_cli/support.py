@@ -119,8 +119,8 @@ def budget_bytes(megabytes: str | float, flag: str = "--budget-mb") -> int:
         value = _MIB(megabytes)
     except Invalid:
         raise CommandError(
-            f"{flag} {megabytes}: the activation budget must be a finite number of MiB >= 0. "
-            f"Pass for example {flag} 512."
+            f"{flag} {megabytes}: the activation budget must be a finite number of MiB >= 0 "
+            f"and below {2**43}. Pass for example {flag} 512."
         ) from None
     return int(value * MIB)
 

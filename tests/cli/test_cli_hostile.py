@@ -162,3 +162,18 @@ def test_demo_refuses_an_unknown_device(device: str, capsys) -> None:
     assert main(["demo", "--device", device, "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "--device" in err and "expected cpu, cuda or cuda:N" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["plan", "plot"])
+@pytest.mark.parametrize("budget", ["1e308", "9e15"])
+def test_a_budget_overflowing_int64_bytes_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, budget: str
+) -> None:
+    # Before issue 10, 1e308 MiB passed the check and int(inf) raised OverflowError.
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(GOOD))
+    out = tmp_path / ("p.json" if command == "plan" else "t.png")
+    argv = [command, "--trace", str(trace), "--budget-mb", budget, "--out", str(out)]
+    line = _one_line_error(argv, capsys)
+    assert f"--budget-mb {budget}: the activation budget must be a finite number" in line
+    assert "below 8796093022208" in line

@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from swapopt_core._activations.guards import CompileWatch
 from swapopt_core._activations.residency import Residency, Tracked
 from swapopt_core._activations.runtime import ActivationRuntime
 from swapopt_core._planning.ir import (
@@ -133,20 +134,30 @@ class Entry:
         self._virtual: list[_Open] = []
         self.mode = _Mode(self)
         self.closed = False  # set when the entry ends; a late backward region is ignored
+        self.quiet = 0  # > 0 while the entry's own bookkeeping runs ops (regions)
+        self._check: Any = None  # the runtime's per-op ordering check, if it has one
+        self.compiled = CompileWatch()
+        self.pinned: set[int] = set()  # storages the warmup saw shared outside torch
 
     def _start(self, inputs: object) -> None:
         """The first op: take the runtime that serves the device its tensors are on."""
         self.runtime, pool = self.executor.runtime_for(_device_of(inputs))
         self.residency = Residency(self.runtime, pool)
+        self._check = self.runtime.begin_entry()
 
     # ---- the op path ---------------------------------------------------------------------
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.quiet:
+            return func(*args, **kwargs)
         if self.opaque:
             self._ready_inputs((args, kwargs))
             return func(*args, **kwargs)
         if self.residency is None:
             self._start((args, kwargs))
+        self.compiled.check()
+        if self._check is not None:
+            self._check()
         name = func.__name__
         if self.replaying and not self._matches(name):
             self._diverge(f"op {self.op + 1} is {name}")
@@ -181,6 +192,8 @@ class Entry:
                 if entry is None:
                     continue
                 residency.ready(entry)
+                if not storage.resizable():  # .numpy() shares it: the plan must keep it
+                    self.pinned.add(entry.sid)
                 if id(value) in writes:
                     opened.accesses[entry.sid] = AccessKind.WRITE
                     residency.written(entry)
@@ -303,18 +316,26 @@ class Entry:
         """Start a region that counts as one op ``name`` (``skip_offload``)."""
         if self.closed:
             return
-        if self.residency is None:
-            self._start(inputs)
-        if self.replaying and not self._matches(name):
-            self._diverge(f"op {self.op + 1} is the region {name}")
-        self._virtual.append(self._begin(name, inputs, []))
-        self.opaque += 1
+        self.quiet += 1  # the copies and waits below are ours, not the step's ops
+        try:
+            if self.residency is None:
+                self._start(inputs)
+            if self.replaying and not self._matches(name):
+                self._diverge(f"op {self.op + 1} is the region {name}")
+            self._virtual.append(self._begin(name, inputs, []))
+            self.opaque += 1
+        finally:
+            self.quiet -= 1
 
     def end_virtual(self, outputs: object) -> None:
         if self.closed or not self._virtual:
             return
-        self.opaque = max(0, self.opaque - 1)
-        self._end(self._virtual.pop(), outputs)
+        self.quiet += 1
+        try:
+            self.opaque = max(0, self.opaque - 1)
+            self._end(self._virtual.pop(), outputs)
+        finally:
+            self.quiet -= 1
 
     # ---- end of the entry ----------------------------------------------------------------
 
@@ -335,6 +356,16 @@ class Entry:
         by_sid = self.residency.by_sid if self.residency is not None else {}
         return {sid: e.nbytes for sid, e in by_sid.items()}
 
+    def unmovable(self) -> set[int]:
+        """Storages that cannot be released: shared with NumPy or other foreign memory."""
+        by_sid = self.residency.by_sid if self.residency is not None else {}
+        alive = {
+            e.sid
+            for e in by_sid.values()
+            if e.alive and (s := e.storage()) is not None and not s.resizable()
+        }
+        return self.pinned | alive
+
     def retained(self) -> frozenset[int]:
         by_sid = self.residency.by_sid if self.residency is not None else {}
         return frozenset(e.sid for e in by_sid.values() if e.alive)
@@ -342,5 +373,6 @@ class Entry:
     def close(self) -> None:
         """The entry ended: restore what is still alive; late region calls are ignored."""
         self.closed = True
+        self.compiled.stop()
         if self.residency is not None:
             self.residency.close()

@@ -155,9 +155,11 @@ class Executor:
                 self._plan(entry)
             return verdict
         finally:
-            entry.close()
             self.entry = None
-            self._tally(entry)
+            try:
+                entry.close()
+            finally:
+                self._tally(entry)
 
     def _tally(self, entry: Entry) -> None:
         """Add what the entry moved and held to the session's counts."""
@@ -211,7 +213,7 @@ class Executor:
             h2d,
             self.min_offload_bytes,
         )
-        schedule = self.planner.plan(trace)
+        schedule = _without(self.planner.plan(trace), entry.unmovable())
         self.adopt(trace, schedule)
         logger.info(
             "activation warmup traced %d ops, %d storages; planned %d actions",
@@ -249,3 +251,16 @@ class Executor:
         if self._bandwidth is None or self._bandwidth[0] is not runtime:
             self._bandwidth = (runtime, runtime.measure_bandwidth())
         return self._bandwidth[1]
+
+
+def _without(schedule: ResidencySchedule, pinned: set[int]) -> ResidencySchedule:
+    """``schedule`` with no action on the ``pinned`` storages: they stay on the device."""
+    if not pinned:
+        return schedule
+    kept = ResidencySchedule()
+    for side, op, action in schedule.actions():
+        if action.storage_id not in pinned:
+            add = kept.add_pre if side == "pre" else kept.add_post
+            add(op, action.storage_id, action.kind)
+    logger.info("activation plan: %d storages shared outside torch stay on the device", len(pinned))
+    return kept

@@ -3,7 +3,11 @@
 Storages are identified by the ``UntypedStorage`` objects PyTorch keeps for their whole
 life (views share one). Releasing a storage resizes it to zero bytes in place and
 restoring resizes it back and copies its bytes in, so every tensor and autograd node that
-refers to it sees the data again without knowing it was away.
+refers to it sees the data again without knowing it was away. A storage that cannot be
+resized (``.numpy()`` shares it with NumPy, ``from_blob`` memory) stays on the device.
+
+The flags of a storage change before its bytes do, so an exception (a ``KeyboardInterrupt``
+too) anywhere in a move leaves a state ``restore_all`` can finish from.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class HostPool:
         self.cap_bytes = cap_bytes
         self.allocated = 0
         self.peak = 0
+        self.exhausted = False  # a host allocation failed (MemoryError) at least once
         self._free: dict[int, list[torch.Tensor]] = {}
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
@@ -45,9 +50,10 @@ class HostPool:
             self._trim(self.allocated + nbytes - self.cap_bytes)
             if self.allocated + nbytes > self.cap_bytes:
                 return None
+        host = self.runtime.alloc_host(nbytes)
         self.allocated += nbytes
         self.peak = max(self.peak, self.allocated)
-        return self.runtime.alloc_host(nbytes)
+        return host
 
     def release(self, host: torch.Tensor) -> None:
         self._free.setdefault(host.numel(), []).append(host)
@@ -135,14 +141,27 @@ class Residency:
     # ---- moves ---------------------------------------------------------------------------
 
     def copy_out(self, entry: Tracked) -> bool:
-        """Start copying ``entry`` to host memory; False if the host cap refused it."""
+        """Start copying ``entry`` to host memory; False if it stays on the device.
+
+        It stays when the host cap (or the host's memory) refuses a buffer, and when the
+        storage cannot be resized, so could never be released.
+        """
         storage = entry.storage()
-        if storage is None or not entry.resident:
+        if storage is None or not entry.resident or not storage.resizable():
             return False
         if entry.host_valid:
             return True
         if entry.host is None:
-            entry.host = self.pool.acquire(entry.nbytes)
+            try:
+                entry.host = self.pool.acquire(entry.nbytes)
+            except MemoryError:
+                if not self.pool.exhausted:  # once per session: it repeats every step
+                    logger.warning(
+                        "no host memory for a %d-byte activation: it stays on the device, "
+                        "as at the host cap (counted in host_cap_refusals)",
+                        entry.nbytes,
+                    )
+                self.pool.exhausted = True
             if entry.host is None:
                 self.host_cap_refusals += 1
                 return False
@@ -156,14 +175,16 @@ class Residency:
         storage = entry.storage()
         if storage is None or not entry.resident or not entry.host_valid:
             return
+        if not storage.resizable():  # shared with NumPy since it was copied: it stays
+            return
         # Stream-ordered: compute waits for the copy still reading this storage.
         self.runtime.wait(entry.d2h)
         self.runtime.wait(entry.h2d)
         entry.h2d = None
-        storage.resize_(0)
         entry.resident = False
         self.resident_bytes -= entry.nbytes
         self.released.add(entry.sid)
+        storage.resize_(0)
 
     def copy_in(self, entry: Tracked) -> None:
         """Re-allocate ``entry`` and start copying its bytes back (a prefetch)."""
@@ -171,11 +192,12 @@ class Residency:
         if storage is None or entry.resident:
             return
         storage.resize_(entry.nbytes)
-        entry.h2d = self.runtime.copy_in(storage, entry.host)
-        entry.resident = True
-        self._add(entry.nbytes)
-        self.released.discard(entry.sid)
+        ticket = self.runtime.copy_in(storage, entry.host)
+        # Marked resident only once the copy is issued: a failure before leaves it released.
+        entry.h2d, entry.resident = ticket, True
         self.pending_in.add(entry.sid)
+        self.released.discard(entry.sid)
+        self._add(entry.nbytes)
         self.h2d_bytes += entry.nbytes
 
     def ready(self, entry: Tracked) -> None:
@@ -196,10 +218,19 @@ class Residency:
             self._drop_host(entry)
 
     def restore_all(self) -> None:
-        """Bring every live released storage back (end of the session, or a fallback)."""
-        for sid in list(self.released):
-            self.ready(self.by_sid[sid])
-        for sid in list(self.pending_in):
+        """Bring every live released storage back (end of the session, or a fallback).
+
+        A storage whose copy in fails is tried once more after the others, so one transient
+        fault loses nothing; a second failure is raised, with the storage still released.
+        """
+        failed = []
+        for sid in [*self.released, *self.pending_in]:
+            try:
+                self.ready(self.by_sid[sid])
+            except Exception:
+                logger.warning("restoring activation %d failed; retrying", sid, exc_info=True)
+                failed.append(sid)
+        for sid in failed:
             self.ready(self.by_sid[sid])
 
     def close(self) -> None:

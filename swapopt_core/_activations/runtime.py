@@ -3,7 +3,9 @@
 Every copy is issued at a point of the compute stream and starts only after the compute
 work queued before that point (the copy stream waits for it), which is the rule the
 simulator and the planner assume. Device storage is allocated and freed on the compute
-stream; a release waits for the copies still using the storage.
+stream; a release waits for the copies still using the storage. The compute stream is the
+one current when an entry's first op ran: ops on another stream, or inside a CUDA graph
+capture, are refused, since the copies would not be ordered with them.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,6 +65,10 @@ class ActivationRuntime:
     def serves(self, device: torch.device) -> bool:
         """Whether storages on ``device`` are the ones this runtime moves."""
         return device.type == "cpu"
+
+    def begin_entry(self) -> Callable[[], None] | None:
+        """Called at an entry's first op; returns a check to run before each op, if any."""
+        return None
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -119,16 +126,54 @@ class CudaActivationRuntime(ActivationRuntime):
         self.device = device
         self.d2h = torch.cuda.Stream(device=device)
         self.h2d = torch.cuda.Stream(device=device)
+        self.compute: torch.cuda.Stream | None = None  # set at each entry's first op
+        self.pageable = False  # set once page-locking failed: later buffers do not retry
 
     def serves(self, device: torch.device) -> bool:
         return device == self.device
 
+    def begin_entry(self) -> Callable[[], None]:
+        """Remember the compute stream of this entry and refuse to start inside a capture.
+
+        Raises:
+            RuntimeError: A CUDA graph is being captured on the current stream.
+        """
+        self.compute = torch.cuda.current_stream(self.device)
+        self.check_ordering()
+        return self.check_ordering
+
+    def check_ordering(self) -> None:
+        """Refuse an op the copies could not be ordered with.
+
+        Raises:
+            RuntimeError: The op runs while a CUDA graph is captured (a replayed graph would
+                skip the copies and releases), or on another stream than the entry's first
+                op (the copies wait for that stream only).
+        """
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "An OffloadSession op ran while a CUDA graph was being captured: the graph "
+                "would replay without the session's copies. Capture CUDA graphs outside the "
+                "session, or wrap the captured part in skip_offload."
+            )
+        current = torch.cuda.current_stream(self.device)
+        if current != self.compute:
+            raise RuntimeError(
+                f"An OffloadSession op ran on CUDA stream {current}, but the session's entry "
+                f"started on {self.compute}: its copies are ordered with that stream only. "
+                "Run the step on one stream, or wrap side-stream work in skip_offload."
+            )
+
     def alloc_host(self, nbytes: int) -> torch.Tensor:
+        if self.pageable:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        # alloc_pinned clears CUDA's sticky error after a failed registration.
         host, error = alloc_pinned(nbytes, torch.uint8)
         if error:
+            self.pageable = True
             logger.warning(
-                "cudaHostRegister failed (cudaError %d); offloaded activations "
-                "use pageable memory, so copies will not overlap.",
+                "cudaHostRegister failed (cudaError %d); offloaded activations use pageable "
+                "memory from now on, so their copies will not overlap compute.",
                 error,
             )
         return host
@@ -138,25 +183,26 @@ class CudaActivationRuntime(ActivationRuntime):
         stream: torch.cuda.Stream,
         dst: torch.Tensor,
         src: torch.Tensor,
-        device_side: torch.Tensor,
     ) -> torch.cuda.Event:
         # The copy starts after the compute work queued so far (producer done, or the
         # re-allocated block no longer in use by earlier kernels).
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-        # The allocator must not hand this block to compute before the copy is done.
-        device_side.record_stream(stream)
+        # No record_stream: the event keeps the block safe. A release (resize to 0) makes
+        # compute wait on it first, so the block returns to the pool after the copy; a
+        # storage that dies first is host-waited on in Residency._died before anything else
+        # is queued. record_stream would only hold freed blocks back from reuse.
         # Compute (a reader, or a release) waits on this before touching the storage.
         return stream.record_event()
 
     def copy_out(self, storage: torch.UntypedStorage, host: torch.Tensor) -> torch.cuda.Event:
         view = byte_view(storage)
-        return self._issue(self.d2h, host, view, view)
+        return self._issue(self.d2h, host, view)
 
     def copy_in(self, storage: torch.UntypedStorage, host: torch.Tensor) -> torch.cuda.Event:
         view = byte_view(storage)
-        return self._issue(self.h2d, view, host, view)
+        return self._issue(self.h2d, view, host)
 
     def wait(self, ticket: torch.cuda.Event | None) -> None:
         if ticket is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -99,6 +100,8 @@ class OffloadSession:
             raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}.")
         self._executor = Executor(self.config, _planner(self.config, plugin_manager))
         self._token: contextvars.Token | None = None
+        self._lock = threading.Lock()
+        self._owner: threading.Thread | None = None  # the thread inside the session
 
     @property
     def trace(self) -> ActivationTrace | None:
@@ -133,15 +136,37 @@ class OffloadSession:
                 "An OffloadSession is already active in this context; sessions do not nest. "
                 "Wrap each step's forward and backward in one session."
             )
-        self._executor.enter()
+        with self._lock:
+            owner = self._owner
+            if owner is not None:
+                raise RuntimeError(
+                    f"This OffloadSession is already active in thread {owner.name!r}; a "
+                    f"session serves one thread at a time (entered from "
+                    f"{threading.current_thread().name!r}). Give each thread its own "
+                    "OffloadSession."
+                )
+            self._owner = threading.current_thread()
+        try:
+            self._executor.enter()
+        except BaseException:
+            self._owner = None
+            raise
         self._token = _ACTIVE.set(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if self._owner is not threading.current_thread():
+            raise RuntimeError(
+                "OffloadSession.__exit__ was called from another thread than its __enter__; "
+                "enter and leave a session in the same thread."
+            )
         if self._token is not None:
             _ACTIVE.reset(self._token)
             self._token = None
-        self._executor.exit(exc_type, exc, tb)
+        try:
+            self._executor.exit(exc_type, exc, tb)
+        finally:
+            self._owner = None
         return False
 
     # ---- results -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -169,10 +169,12 @@ def atomic_write(path: str, write: Callable[[str], None], flag: str = "--out") -
     rename is atomic within one folder, and the temporary file is removed.
     """
     target = Path(path)
-    handle, temporary = tempfile.mkstemp(
-        prefix=f".{target.name}.", suffix=f".tmp{target.suffix}", dir=target.parent
-    )
-    os.close(handle)
+    temporary = str(target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp{target.suffix}"))
+    try:
+        # Created like a plain open() would (mode 0o666 less the umask), unlike mkstemp's 0o600.
+        os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    except OSError as error:
+        raise CommandError(f"{flag} {path}: cannot be written ({error}).") from None
     try:
         write(temporary)
         os.replace(temporary, target)

@@ -144,6 +144,7 @@ def test_a_good_plan_replaces_the_old_out_file(tmp_path: Path) -> None:
     out.write_text("old")
     assert main(["plan", "--trace", str(trace), "--budget-mb", "9", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["post"]
+    assert out.stat().st_mode & 0o777 == trace.stat().st_mode & 0o777  # not mkstemp's 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "trace.json"]
 
 

@@ -256,6 +256,10 @@ def test_launcher_reports_invalid_yaml(tmp_path, capsys) -> None:
         ("trainer: {swap_optimizer: {swap_times: 8}}", "misplaced at trainer.swap_optimizer"),
         ("swap_optimizer: {state_keys: [[exp_avg]]}", "swap_optimizer.state_keys=[['exp_avg']]"),
         ("swap_optimizer: {swap_times: 2}\ncallbacks: 0", "callbacks=0 must be a list"),
+        (
+            "callbacks: [{type: SwapOptimizerCallback, state_keys: [[exp_avg]]}]",
+            "callbacks[0].state_keys=[['exp_avg']] is invalid",
+        ),
     ],
 )
 def test_launcher_reports_hostile_yaml_in_one_line(tmp_path, capsys, text, words) -> None:

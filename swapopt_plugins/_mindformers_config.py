@@ -179,6 +179,23 @@ def read_context(config: Mapping[str, Any]) -> dict[str, Any]:
     return dict(context)
 
 
+def _check_listed_callbacks(callbacks: object) -> None:
+    """Read each ``SwapOptimizerCallback`` entry of ``callbacks:`` now, as the callback will.
+
+    MindFormers builds callbacks inside the Trainer, where a bad value is a traceback; read
+    here, it is one line before anything is built.
+    """
+    if not isinstance(callbacks, list):
+        return
+    for index, entry in enumerate(callbacks):
+        if isinstance(entry, Mapping) and entry.get("type") == CALLBACK_NAME:
+            SwapOptimizerConfig.from_options(
+                {key: value for key, value in entry.items() if key != "type"},
+                source=f"callbacks[{index}]",
+                framework="mindspore",
+            )
+
+
 def build_trainer_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config dict the launcher hands to MindFormers' pynative ``Trainer``.
 
@@ -188,13 +205,15 @@ def build_trainer_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
     Raises:
         ValueError: A key anywhere in ``config`` is not a string; a ``swap_optimizer:``
-            section is nested below the top level; the section is invalid; ``callbacks``
+            section is nested below the top level; the section, or a ``SwapOptimizerCallback``
+            entry of ``callbacks``, is invalid; ``callbacks``
             is not a list of ``{type: ...}`` entries while the section is enabled; or the
             section is enabled while ``callbacks`` already lists a ``SwapOptimizerCallback``
             (configure the swap in one place).
     """
     _check_keys(config)
     result = copy.deepcopy(dict(config))
+    _check_listed_callbacks(result.get("callbacks"))
     if SECTION not in result:
         return result
     section = SwapOptimizerSection.from_yaml(result.pop(SECTION))

@@ -92,3 +92,25 @@ def test_bad_context_is_named(text: str, words: list[str]) -> None:
 @pytest.mark.parametrize("text", ["{}", "context:", "context: {device_target: CPU, mode: 1}"])
 def test_good_context_is_read(text: str) -> None:
     assert read_context(yaml.safe_load(text)) == (yaml.safe_load(text).get("context") or {})
+
+
+@pytest.mark.parametrize(
+    ("entry", "words"),
+    [
+        ("{type: SwapOptimizerCallback, state_keys: [[exp_avg]]}", "callbacks[1].state_keys="),
+        ("{type: SwapOptimizerCallback, swap_times: 0}", "callbacks[1].swap_times=0 is invalid"),
+        ("{type: SwapOptimizerCallback, swap_time: 8}", "callbacks[1] has no option 'swap_time'"),
+    ],
+)
+def test_a_listed_callback_entry_is_read_before_the_trainer_builds_it(
+    entry: str, words: str
+) -> None:
+    # MindFormers builds callbacks inside the Trainer, where these were tracebacks.
+    with pytest.raises(ValueError) as info:
+        _build(f"callbacks: [{{type: MFLossMonitor}}, {entry}]")
+    assert words in str(info.value)
+
+
+def test_a_good_listed_callback_entry_passes_unchanged() -> None:
+    text = "callbacks: [{type: SwapOptimizerCallback, swap_times: '8', runtime: loopback}]"
+    assert _build(text) == yaml.safe_load(text)

@@ -260,6 +260,7 @@ def test_launcher_reports_invalid_yaml(tmp_path, capsys) -> None:
             "callbacks: [{type: SwapOptimizerCallback, state_keys: [[exp_avg]]}]",
             "callbacks[0].state_keys=[['exp_avg']] is invalid",
         ),
+        ("a: " + "[" * 5000 + "]" * 5000, "nests lists or mappings too deeply"),
     ],
 )
 def test_launcher_reports_hostile_yaml_in_one_line(tmp_path, capsys, text, words) -> None:

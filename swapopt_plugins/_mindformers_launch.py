@@ -98,6 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, yaml.YAMLError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
+    except RecursionError:
+        print(
+            f"{parser.prog}: error: {args.config} nests lists or mappings too deeply to be a "
+            "training YAML.",
+            file=sys.stderr,
+        )
+        return 2
     _log_to_stderr()
     if SECTION in loaded:
         logger.info("swapopt: %s section read; callbacks: %s", SECTION, config.get("callbacks"))

@@ -83,6 +83,18 @@ def _pick_runtime(
     return next(iter(matching.values()))()
 
 
+def _check_serves(engine_class: type[EngineBase], runtime: TransferRuntime, optimizer: Any) -> None:
+    """Refuse a named runtime that would swap nothing (``"auto"`` picks by device already)."""
+    types = engine_class.param_devices(optimizer)
+    if types and not engine_class.runtime_serves(runtime, optimizer):
+        raise ValueError(
+            f"SwapOptimizerConfig.runtime={runtime.name!r} swaps no state of this optimizer: "
+            f"its parameters are on {sorted(types)}, which the {runtime.name!r} runtime does "
+            "not serve. Move the model to that device before building the optimizer, or name "
+            "the runtime for where the parameters are ('auto', or 'loopback' on the CPU)."
+        )
+
+
 def _pick_adapter(
     optimizer: Any, config: SwapOptimizerConfig, manager: pluggy.PluginManager, framework: str
 ) -> Any:
@@ -184,6 +196,7 @@ def swap_optimizer(
             )
         return optimizer
     engine = engine_class(optimizer, config, adapter, runtime, manager)
+    _check_serves(engine_class, runtime, optimizer)
     engine.install()
     logger.info(
         "swapopt installed on %s: runtime=%s packed=%s swap_times=%d; %d existing state "

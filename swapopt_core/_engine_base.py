@@ -16,6 +16,7 @@ import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._layout import DeviceLedger
+from swapopt_core._pipeline import write_back
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core._stats import SwapStats
 
@@ -64,6 +65,11 @@ class EngineBase(ABC):
         self.d2h_bytes = 0
         self.steps = 0
         self.last_batches = 0
+        #: Batches an interrupted step updated but could not copy back: kept on the device
+        #: until ``settle`` writes them back.
+        self.kept: list[Any] = []
+        #: The last step was updated and counted, but an observer raised before all saw it.
+        self.observers_owed = False
 
     # ---- what each backend implements --------------------------------------------------
 
@@ -77,6 +83,11 @@ class EngineBase(ABC):
     def param_devices(cls, optimizer: Any) -> set[str]:
         """Device types of ``optimizer``'s parameters, as runtimes list them in
         ``device_types`` (torch ``"cuda"``, ``"cpu"``; MindSpore ``"Ascend"``, ``"CPU"``)."""
+
+    @classmethod
+    def runtime_serves(cls, runtime: TransferRuntime, optimizer: Any) -> bool:
+        """Whether ``runtime`` accepts the device of at least one of the parameters."""
+        return any(runtime.accepts(device) for device in cls.param_devices(optimizer))
 
     @abstractmethod
     def install(self) -> None:
@@ -100,13 +111,30 @@ class EngineBase(ABC):
         """Host bytes holding swapped state (packed buffers may hold more than the slots)."""
         return sum(slot.nbytes for slot in self.slots.values())
 
-    def finish_step(self, h2d: int, d2h: int, batches: int) -> None:
-        """Count a completed step and tell the observers."""
-        self.h2d_bytes += h2d
-        self.d2h_bytes += d2h
-        self.steps += 1
-        self.last_batches = batches
+    def settle(self) -> None:
+        """Write back what an interrupted step kept on the device; first thing on every entry.
+
+        Raises:
+            BaseException: The copy failed again; the batches stay kept.
+        """
+        if self.kept:
+            write_back(self.kept, self.staging, self.runtime)
+
+    def finish_step(self, h2d: int, d2h: int, batches: int, *, resumed: bool = False) -> None:
+        """Count a completed step and tell the observers.
+
+        Args:
+            resumed: The call only finished a step an earlier call had updated completely
+                but whose observers raised: it is not counted again.
+        """
+        if not (resumed and self.observers_owed):
+            self.h2d_bytes += h2d
+            self.d2h_bytes += d2h
+            self.steps += 1
+            self.last_batches = batches
+        self.observers_owed = True
         self.plugin_manager.hook.swapopt_after_step(optimizer=self.optimizer, stats=self.stats())
+        self.observers_owed = False
 
     def stats(self) -> SwapStats:
         """A snapshot of the memory and traffic of this engine."""

@@ -23,7 +23,7 @@ from swapopt_core._mindspore.adapter import MindSporeAdapter
 from swapopt_core._mindspore.runtime import MindSporeRuntime
 from swapopt_core._mindspore.staging import PackedStaging, PerTensorStaging, Slot
 from swapopt_core._partition import partition
-from swapopt_core._pipeline import run_pipeline
+from swapopt_core._pipeline import deferred_interrupt, run_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class MindSporeSwapEngine(EngineBase):
 
     def uninstall(self) -> None:
         """Put every swapped state back on its device and give ``construct`` back."""
+        self.settle()
         # The host tensors are read below: every copy into them must have landed.
         self.runtime.synchronize()
         for slot in self.slots.values():
@@ -106,6 +107,7 @@ class MindSporeSwapEngine(EngineBase):
 
     def offload(self) -> int:
         """Take every swappable state into host memory; return how many were moved."""
+        self.settle()
         params = self.optimizer._parameters
         ordered: list[Slot] = []
         moved = 0
@@ -154,7 +156,16 @@ class MindSporeSwapEngine(EngineBase):
     # ---- the step ------------------------------------------------------------------------
 
     def construct(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        """The swapped ``construct(gradients)``: preamble, then the update as a pipeline."""
+        """The swapped ``construct(gradients)``: preamble, then the update as a pipeline.
+
+        If anything raises, each parameter was updated completely or not at all and the
+        state is in host memory (or kept on the device until the next call); calling again
+        with the same gradients finishes the step.
+        """
+        with deferred_interrupt():
+            return self._construct(*args, **kwargs)
+
+    def _construct(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         opt = self.optimizer
         if kwargs or len(args) != 1:
             raise TypeError(
@@ -171,7 +182,8 @@ class MindSporeSwapEngine(EngineBase):
         self.adapter.validate(opt)
         self.offload()
         identity = tuple(id(g) for g in gradients)
-        if self._interrupted is not None and self._interrupted[0] == identity:
+        resumed = self._interrupted is not None and self._interrupted[0] == identity
+        if resumed:
             _, prepared, done = self._interrupted
         else:
             prepared, done = self.adapter.prepare(opt, gradients), set()
@@ -188,12 +200,20 @@ class MindSporeSwapEngine(EngineBase):
         resident = self._resident_states()
 
         def update(b: int, views: dict[Slot, Any]) -> None:
+            work = []
             for index in batches[b]:
                 states = {key: values[index] for key, values in resident.items()}
                 for slot in by_index.get(index, ()):
                     states[slot.key] = views[slot]
-                results[index] = self.adapter.update(opt, prepared, index, states)
-                done.add(index)
+                work.append((index, states))
+            undo = self._snapshot(work, by_index)
+            try:
+                for index, states in work:
+                    results[index] = self.adapter.update(opt, prepared, index, states)
+            except BaseException:
+                self._roll_back(undo)
+                raise
+            done.update(batches[b])
 
         try:
             h2d, d2h = run_pipeline(
@@ -201,12 +221,37 @@ class MindSporeSwapEngine(EngineBase):
                 self.staging,
                 self.runtime,
                 update,
+                self.kept,
             )
         except BaseException:
             self._interrupted = (identity, prepared, done)
             raise
-        self.finish_step(h2d, d2h, len(batches))
+        # Until the observers have seen the step, a call with the same gradients only
+        # tells them again.
+        self._interrupted = (identity, prepared, done)
+        self.finish_step(h2d, d2h, len(batches), resumed=resumed)
+        self._interrupted = None
         return tuple(results)
+
+    def _snapshot(
+        self, work: list[tuple[int, dict[str, Any]]], by_index: dict[int, list[Slot]]
+    ) -> list[tuple[Any, Any]]:
+        """Copies (on the device) of what a batch's update changes in place, but for the
+        swapped state, whose host copy is only overwritten once the update succeeded."""
+        undo = []
+        for index, states in work:
+            swapped = {slot.key for slot in by_index.get(index, ())}
+            targets = [self.optimizer._parameters[index]]
+            targets += [v for k, v in states.items() if k not in swapped and v is not None]
+            undo += [(target, target.copy()) for target in targets]
+        return undo
+
+    @staticmethod
+    def _roll_back(undo: list[tuple[Any, Any]]) -> None:
+        from mindspore.ops import functional as F
+
+        for target, saved in undo:
+            F.assign(target, saved)
 
     def _resident_states(self) -> dict[str, Sequence[Any]]:
         """Every state the update reads, by key: the optimizer's own Parameters."""

@@ -127,6 +127,8 @@ class MindSporeAscendRuntime(MindSporeRuntime):
     def __init__(self) -> None:
         super().__init__()
         self._stream: Any = None
+        self._last_out: Any = None  # the ticket of the newest copy out
+        self._held: list[tuple[Any, Any]] = []  # (ticket, released buffer) until it completes
         global _warned_unverified
         if not _warned_unverified:
             _warned_unverified = True
@@ -195,7 +197,24 @@ class MindSporeAscendRuntime(MindSporeRuntime):
         return self._on_stream(pairs, inward=True)
 
     def copy_out(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
-        return self._on_stream(pairs, inward=False)
+        self._last_out = self._on_stream(pairs, inward=False)
+        return self._last_out
+
+    def release_device(self, tensor: Any) -> None:
+        """Drop ``tensor`` once the copies out queued so far have finished reading it.
+
+        MindSpore's pool may hand memory freed here to compute at once, without knowing
+        that the copy stream still reads it, so the last reference is held until the
+        ticket of the newest copy out completes.
+        """
+        self._held = [(t, b) for t, b in self._held if not t.query()]
+        if self._last_out is not None and not self._last_out.query():
+            self._held.append((self._last_out, tensor))
+
+    @property
+    def held_buffers(self) -> int:
+        """Released buffers still waiting for their copy out to finish."""
+        return len(self._held)
 
     def wait(self, ticket: Any) -> None:
         if ticket is not None:
@@ -207,6 +226,7 @@ class MindSporeAscendRuntime(MindSporeRuntime):
     def synchronize(self) -> None:
         # The host copies are the optimizer's public state: final when the step returns.
         self.stream.synchronize()
+        self._held.clear()  # every copy has finished reading its buffer
 
 
 def _empty(numel: int, dtype: Any) -> np.ndarray:

@@ -76,13 +76,24 @@ class StagingBase:
         self.runtime = runtime
         self.ledger = ledger
 
+    def keep(self, staged: Staged) -> None:
+        """Nothing to hand over: each batch owns its device buffers until ``unstage``."""
+
     def unstage(self, staged: Staged) -> None:
-        for flat, nbytes in staged.owned:
-            self.ledger.sub(nbytes)
-            self.runtime.release_device(flat)
-        staged.owned.clear()
+        """Release ``staged``'s buffers; each leaves the books before the runtime frees it,
+        so a failing release is reported once (the first error, after trying them all)."""
+        error: BaseException | None = None
         staged.views.clear()
         staged.pairs.clear()
+        while staged.owned:
+            flat, nbytes = staged.owned.pop(0)
+            self.ledger.sub(nbytes)
+            try:
+                self.runtime.release_device(flat)
+            except BaseException as exc:  # keep releasing; report the first failure
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 class PerTensorStaging(StagingBase):

@@ -66,12 +66,14 @@ class CheckpointHooks:
     # ---- the hooks -----------------------------------------------------------------------
 
     def before_state_dict(self, opt: torch.optim.Optimizer) -> None:
+        self.engine.settle()  # state an interrupted step kept on the device
         # state_dict() hands out the host tensors: no copy may still be writing them.
         self.engine.runtime.synchronize()
 
     def before_load(self, opt: torch.optim.Optimizer, state_dict: dict) -> dict:
         """Keep swapped entries away from torch's loader, which would put them on the device."""
         engine = self.engine
+        engine.settle()  # a kept batch must not land on top of the loaded values later
         # The loaded values replace the host tensors: no copy may still be writing them.
         engine.runtime.synchronize()
         saved_groups = state_dict["param_groups"]

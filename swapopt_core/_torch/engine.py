@@ -18,7 +18,7 @@ from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
 from swapopt_core._errors import SwapOptError
 from swapopt_core._partition import partition
-from swapopt_core._pipeline import run_pipeline
+from swapopt_core._pipeline import deferred_interrupt, run_pipeline
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.checkpoint import CheckpointHooks
@@ -86,9 +86,14 @@ class SwapEngine(EngineBase):
             local_tensor(p).device.type for group in optimizer.param_groups for p in group["params"]
         }
 
+    @classmethod
+    def runtime_serves(cls, runtime: TransferRuntime, optimizer: torch.optim.Optimizer) -> bool:
+        return any(runtime.accepts(torch.device(t)) for t in cls.param_devices(optimizer))
+
     def install(self) -> None:
         opt = self.optimizer
         self.adapter.validate(opt)
+        self._check_params()
         try:
             # Offload state that exists already, so it is not resident through the next
             # forward/backward. Done first: a failure here leaves no hook behind.
@@ -116,6 +121,7 @@ class SwapEngine(EngineBase):
         delattr(self.optimizer, ENGINE_ATTR)
 
     def _restore_state(self) -> None:
+        self.settle()
         # The host tensors are read below: every copy into them must have landed.
         self.runtime.synchronize()
         for slot in self.slots.values():
@@ -204,6 +210,7 @@ class SwapEngine(EngineBase):
     def offload(self) -> int:
         """Take swappable entries that are not our host tensors into host memory now."""
         opt = self.optimizer
+        self.settle()
         ours = {id(slot.value) for slot in self.slots.values()}  # alive: ids are unique
         moved = sum(
             1
@@ -234,9 +241,7 @@ class SwapEngine(EngineBase):
                 grad = param.grad if stepping else None
                 state = opt.state.get(param)
                 if grad is not None and not state:
-                    state = opt.state[param]
-                    make = functools.partial(self._make_state, keys)
-                    self.adapter.init_state(group, param, state, make)
+                    state = self._init_state(group, param, keys)
                 slots = []
                 for key in keys if state else ():
                     slot = self._slot(param, key, state)
@@ -252,6 +257,21 @@ class SwapEngine(EngineBase):
             self.staging.layout(ordered, self._publish)
         return units
 
+    def _init_state(
+        self, group: MutableMapping[str, Any], param: torch.Tensor, keys: tuple[str, ...]
+    ) -> MutableMapping[str, Any]:
+        """Create ``param``'s state all at once: after a failure (host memory) it has none."""
+        fresh: dict[str, Any] = {}
+        try:
+            self.adapter.init_state(group, param, fresh, functools.partial(self._make_state, keys))
+        except BaseException:
+            for key in keys:
+                self.slots.pop((id(param), key), None)
+            raise
+        state = self.optimizer.state[param]
+        state.update(fresh)
+        return state
+
     def _publish(self, slot: Slot) -> None:
         self.optimizer.state[slot.param][slot.key] = slot.value
 
@@ -259,6 +279,20 @@ class SwapEngine(EngineBase):
 
     def _post_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self.step()
+
+    def _check_params(self) -> None:
+        """Refuse a parameter listed twice in a group (torch only warns about it)."""
+        for index, group in enumerate(self.optimizer.param_groups):
+            seen: dict[int, int] = {}
+            for position, param in enumerate(group["params"]):
+                first = seen.setdefault(id(param), position)
+                if first != position:
+                    raise SwapOptError(
+                        f"param_groups[{index}]['params'][{position}] is the same tensor as "
+                        f"param_groups[{index}]['params'][{first}]; swapopt does not swap a "
+                        "parameter listed twice (torch would update it twice per step). Pass "
+                        "each parameter once, e.g. list(dict.fromkeys(model.parameters()))."
+                    )
 
     def _check_grads(self) -> None:
         for index, group in enumerate(self.optimizer.param_groups):
@@ -271,19 +305,37 @@ class SwapEngine(EngineBase):
                     )
 
     def step(self) -> None:
-        """Run one swapped update of every parameter that has a gradient."""
+        """Run one swapped update of every parameter that has a gradient.
+
+        If anything raises, each parameter was updated completely or not at all, its state
+        is in host memory (or kept on the device until the next call) and the updated ones
+        are remembered: calling ``step`` again with the same gradients finishes the step.
+        """
+        with deferred_interrupt():
+            self._step()
+
+    def _step(self) -> None:
         opt = self.optimizer
+        self.settle()
         self.adapter.validate(opt)
+        self._check_params()
         self._check_grads()
         with torch.no_grad():
             units = self.sync_state(stepping=True)
-            units = [u for u in units if not self._already_done(u)]
+            remaining = [u for u in units if not self._already_done(u)]
+            resumed = len(remaining) < len(units)
+            units = remaining
             runs = partition([u.nbytes for u in units], self.config.swap_times)
             batches = [[units[k] for k in run] for run in runs]
             done: dict[int, tuple[torch.Tensor, int]] = {}
 
             def update(i: int, views: dict[Slot, torch.Tensor]) -> None:
-                self._update_batch(batches[i], views)
+                undo = self._snapshot(batches[i])
+                try:
+                    self._update_batch(batches[i], views)
+                except BaseException:
+                    self._roll_back(undo)
+                    raise
                 for unit in batches[i]:
                     done[id(unit.param)] = (unit.grad, unit.grad._version)
 
@@ -293,16 +345,51 @@ class SwapEngine(EngineBase):
                     self.staging,
                     self.runtime,
                     update,
+                    self.kept,
                 )
             except BaseException:
                 self._finished.update(done)
                 raise
+        # Until the observers have seen the step, a call with the same gradients only
+        # tells them again.
+        self._finished.update(done)
+        self.finish_step(h2d, d2h, len(batches), resumed=resumed)
         self._finished.clear()
-        self.finish_step(h2d, d2h, len(batches))
 
     def _already_done(self, unit: _Unit) -> bool:
         record = self._finished.get(id(unit.param))
         return record is not None and record[0] is unit.grad and record[1] == unit.grad._version
+
+    def _snapshot(self, units: list[_Unit]) -> list[tuple[_Unit, dict, dict, torch.Tensor]]:
+        """What an update changes in place besides the swapped state: a copy to undo it.
+
+        The parameters and the resident state entries (the step counter, state too small to
+        swap) are copied on their device; the swapped state needs none, since its host copy
+        is only overwritten by a copy out after the update succeeded.
+        """
+        undo = []
+        for unit in units:
+            entries = dict(self.optimizer.state[unit.param])
+            swapped = {slot.key for slot in unit.slots}
+            values = {
+                key: local_tensor(value).clone()
+                for key, value in entries.items()
+                if key not in swapped and isinstance(value, torch.Tensor)
+            }
+            undo.append((unit, entries, values, local_tensor(unit.param).clone()))
+        return undo
+
+    def _roll_back(self, undo: list[tuple[_Unit, dict, dict, torch.Tensor]]) -> None:
+        """Put back parameters and state as ``_snapshot`` saw them."""
+        for unit, entries, values, param in undo:
+            local_tensor(unit.param).copy_(param)
+            state = self.optimizer.state[unit.param]
+            for key in state.keys() - entries.keys():
+                del state[key]
+                self.slots.pop((id(unit.param), key), None)
+            state.update(entries)
+            for key, value in values.items():
+                local_tensor(entries[key]).copy_(value)
 
     def _update_batch(self, units: list[_Unit], views: dict[Slot, torch.Tensor]) -> None:
         opt = self.optimizer

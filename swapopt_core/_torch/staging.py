@@ -17,7 +17,7 @@ from swapopt_core._layout import DeviceLedger, plan_layout
 from swapopt_core._runtime import CopyPair, TransferRuntime
 from swapopt_core._torch.state import Slot, wrap_like
 
-__all__ = ["PackedStaging", "PerTensorStaging", "Staged"]
+__all__ = ["PackedStaging", "PerTensorStaging", "Staged", "release_all"]
 
 _ALIGN = 512  # bytes; every dtype section of an arena starts on this boundary
 
@@ -41,10 +41,30 @@ class Staged:
     views: dict[Slot, torch.Tensor] = field(default_factory=dict)
     pairs: list[CopyPair] = field(default_factory=list)
     owned: list[torch.Tensor] = field(default_factory=list)
+    arena: int | None = None  #: packed: which of the two arenas holds the batch
 
     @property
     def copy_bytes(self) -> int:
         return sum(d.numel() * d.element_size() for d, _ in self.pairs)
+
+
+def release_all(owned: list[torch.Tensor], runtime: TransferRuntime, ledger: DeviceLedger) -> None:
+    """Give back every tensor in ``owned`` (emptying it), even when a release raises.
+
+    Each tensor leaves ``owned`` and the ledger before the runtime is asked to free it; if
+    the runtime fails, dropping the last reference frees it anyway. The first error is
+    raised once all were tried.
+    """
+    error: BaseException | None = None
+    while owned:
+        flat = owned.pop(0)
+        ledger.sub(flat.numel() * flat.element_size())
+        try:
+            runtime.release_device(flat)
+        except BaseException as exc:  # keep releasing; report the first failure
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 class PerTensorStaging:
@@ -74,11 +94,11 @@ class PerTensorStaging:
             raise
         return staged
 
+    def keep(self, staged: Staged) -> None:
+        return None  # each batch owns its storage already
+
     def unstage(self, staged: Staged) -> None:
-        for flat in staged.owned:
-            self.ledger.sub(flat.numel() * flat.element_size())
-            self.runtime.release_device(flat)
-        staged.owned.clear()
+        release_all(staged.owned, self.runtime, self.ledger)
 
     def end(self) -> None:
         return None
@@ -98,6 +118,7 @@ class PackedStaging:
         self._regions: list[dict[torch.dtype, tuple[int, int]]] = []  # per batch: lo, hi
         self._arenas: list[torch.Tensor] = []
         self._device: torch.device | None = None
+        self._kept: set[int] = set()  # arenas handed over to batches kept by a failure
 
     # ---- host layout ---------------------------------------------------------------------
 
@@ -154,6 +175,11 @@ class PackedStaging:
     def stage(self, index: int, slots: Sequence[Slot]) -> Staged:
         staged = Staged()
         for dtype, (lo, hi) in self._regions[index].items():
+            if hi == lo:  # only zero-size state of this dtype: nothing to move
+                for slot in slots:
+                    if slot.host.dtype == dtype:
+                        staged.views[slot] = torch.empty_like(slot.host, device=self._device)
+                continue
             start, nbytes = self._sections[dtype]
             section = self._arenas[index % 2].narrow(0, start, nbytes).view(dtype)
             region = self.buffers[dtype].narrow(0, lo, hi - lo)
@@ -162,14 +188,19 @@ class PackedStaging:
                 if slot.host.dtype == dtype:
                     view = section.narrow(0, slot.offset - lo, slot.host.numel())
                     staged.views[slot] = view.view(slot.host.shape)
+        staged.arena = index % 2
         return staged
 
+    def keep(self, staged: Staged) -> None:
+        """Hand ``staged``'s arena over to it, so ``end`` leaves it for ``unstage``."""
+        if staged.arena is not None and staged.arena < len(self._arenas):
+            self._kept.add(staged.arena)
+            staged.owned.append(self._arenas[staged.arena])
+
     def unstage(self, staged: Staged) -> None:
-        return None
+        release_all(staged.owned, self.runtime, self.ledger)  # a kept arena, if any
 
     def end(self) -> None:
-        for arena in self._arenas:
-            self.ledger.sub(arena.numel())
-            self.runtime.release_device(arena)
-        self._arenas = []
-        self._regions = []
+        arenas = [a for k, a in enumerate(self._arenas) if k not in self._kept]
+        self._arenas, self._regions, self._kept = [], [], set()
+        release_all(arenas, self.runtime, self.ledger)

@@ -49,3 +49,37 @@ def test_random_inputs_cover_every_item_once_in_order() -> None:
         assert len(runs) == min(parts, len(costs))
         assert [i for run in runs for i in run] == list(range(len(costs)))
         assert all(len(run) > 0 for run in runs)
+
+
+# ---- properties (hypothesis) ---------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from swapopt_core._layout import plan_layout  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 1 << 20), max_size=40), st.integers(1, 12))
+def test_partition_property(costs: list[int], parts: int) -> None:
+    runs = partition(costs, parts)
+    assert [i for run in runs for i in run] == list(range(len(costs)))
+    assert all(len(run) > 0 for run in runs)
+    assert len(runs) == min(parts, len(costs))
+
+
+class _FakeSlot:
+    def __init__(self, dtype: str, numel: int) -> None:
+        self.dtype, self.numel, self.offset, self.device = dtype, numel, -1, "dev"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["f16", "f32", "f64"]), st.integers(0, 64))))
+def test_layout_plan_property(specs: list[tuple[str, int]]) -> None:
+    slots = [_FakeSlot(dtype, numel) for dtype, numel in specs]
+    plan = plan_layout(slots, (-1,), lambda s: (s.dtype, s.numel))
+    assert plan is not None
+    signature, totals = plan
+    assert signature == tuple(id(s) for s in slots)
+    for dtype in {d for d, _ in specs}:
+        assert totals[dtype] == sum(n for d, n in specs if d == dtype)

@@ -1,0 +1,184 @@
+"""The fault-injection matrix for MindSpore ``nn.Adam`` and ``nn.AdamWeightDecay``.
+
+An ``Exception`` and a ``KeyboardInterrupt`` are raised at the first, a middle and the last
+call one step makes to each entry point of the engine's real loopback runtime instance,
+and before and after the adapter's update; then the state is complete (a), the stats true
+(e), the step repeated with the same gradients equals one plain step (b), training goes on
+exactly (c) and ``unswap_optimizer`` leaves a plain optimizer that stays exact (d).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+import pytest
+
+ms = pytest.importorskip("mindspore")
+
+from mindspore import Parameter, Tensor, nn  # noqa: E402
+
+from swapopt_core import (  # noqa: E402
+    SwapOptimizerConfig,
+    swap_optimizer,
+    swap_stats,
+    unswap_optimizer,
+)
+from swapopt_core._engine_base import engine_of  # noqa: E402
+
+pytestmark = pytest.mark.mindspore
+
+SHAPES = [(12, 8), (8,), (16, 4), (3,), (10, 6)]
+POINTS = (
+    "copy_in",
+    "copy_out",
+    "alloc_device",
+    "release_device",
+    "wait",
+    "synchronize",
+    "update:before",
+    "update:after",
+)
+FAMILIES = {
+    "adam": lambda ps: nn.Adam(ps, learning_rate=1e-2, weight_decay=0.01),
+    "adamwd": lambda ps: nn.AdamWeightDecay(ps, learning_rate=1e-2, weight_decay=0.01),
+}
+
+
+class Injected(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _pynative_cpu():
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+
+
+def _params() -> list[Parameter]:
+    rng = np.random.default_rng(0)
+    return [
+        Parameter(Tensor(rng.standard_normal(s).astype(np.float32)), name=f"w{i}")
+        for i, s in enumerate(SHAPES)
+    ]
+
+
+def _grads(step: int) -> tuple[Tensor, ...]:
+    rng = np.random.default_rng(100 + step)
+    return tuple(Tensor(rng.standard_normal(s).astype(np.float32)) for s in SHAPES)
+
+
+def _swapped(family: str, packed: bool) -> tuple[list[Parameter], object]:
+    params = _params()
+    opt = FAMILIES[family](params)
+    config = SwapOptimizerConfig(runtime="loopback", min_numel=0, swap_times=3, packed_swap=packed)
+    swap_optimizer(opt, config)
+    return params, opt
+
+
+def _target(opt: object, point: str) -> tuple[object, str]:
+    engine = engine_of(opt)
+    if point.startswith("update"):
+        return engine.adapter, "update"
+    return engine.runtime, point
+
+
+@functools.cache
+def _calls(family: str, packed: bool, point: str) -> int:
+    """How often the second clean step reaches ``point``."""
+    _, opt = _swapped(family, packed)
+    opt(_grads(0))
+    obj, name = _target(opt, point)
+    original, counter = getattr(obj, name), [0]
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        counter[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    opt(_grads(1))
+    return counter[0]
+
+
+def _inject(opt: object, point: str, at: int, error: type) -> None:
+    obj, name = _target(opt, point)
+    original, calls = getattr(obj, name), [0]
+
+    def faulty(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += 1
+        if calls[0] != at:
+            return original(*args, **kwargs)
+        if point == "update:after":
+            original(*args, **kwargs)
+        raise error(f"injected at {point} call {at}")
+
+    setattr(obj, name, faulty)
+
+
+def _arrays(opt: object) -> dict[str, np.ndarray]:
+    return {name: p.asnumpy() for name, p in opt.parameters_dict().items()}
+
+
+def _assert_same(ref_params, params, ref, opt) -> None:  # noqa: ANN001
+    for a, b in zip(ref_params, params, strict=True):
+        assert np.array_equal(a.asnumpy(), b.asnumpy()), a.name
+    expected, actual = _arrays(ref), _arrays(opt)
+    assert expected.keys() == actual.keys()
+    for name, value in expected.items():
+        assert np.array_equal(value, actual[name]), name
+
+
+def run_case(family: str, packed: bool, point: str, which: str, error: type) -> None:
+    calls = _calls(family, packed, point)
+    if calls == 0:
+        pytest.skip(f"a step makes no {point} call in this configuration")
+    at = {"first": 1, "middle": (calls + 1) // 2, "last": calls}[which]
+    ref_params = _params()
+    ref = FAMILIES[family](ref_params)
+    params, opt = _swapped(family, packed)
+    ref(_grads(0))
+    opt(_grads(0))
+    ref(_grads(1))
+    grads = _grads(1)
+    _inject(opt, point, at, error)
+    with pytest.raises(error):
+        opt(grads)
+    # (a) every state Parameter is readable; (e) nothing is left on the device.
+    assert _arrays(opt).keys() == _arrays(ref).keys()
+    assert swap_stats(opt).resident_state_bytes == 0
+    assert swap_stats(opt).steps == 1
+    # (b) the same gradients again finish the step exactly.
+    opt(grads)
+    assert swap_stats(opt).steps == 2
+    _assert_same(ref_params, params, ref, opt)
+    # (c) training goes on exactly; (d) and so does the unswapped optimizer.
+    ref(_grads(2))
+    opt(_grads(2))
+    _assert_same(ref_params, params, ref, opt)
+    unswap_optimizer(opt)
+    ref(_grads(3))
+    opt(_grads(3))
+    _assert_same(ref_params, params, ref, opt)
+
+
+ERRORS = {"error": Injected, "interrupt": KeyboardInterrupt}
+CASES = [
+    pytest.param(
+        family,
+        mode,
+        point,
+        which,
+        error,
+        id=f"{family}-{mode}-{point}-{which}-{error}",
+        marks=() if (family, mode, which) == ("adam", "packed", "middle") else pytest.mark.slow,
+    )
+    for family, mode, point, which, error in itertools.product(
+        FAMILIES, ("packed", "per-tensor"), POINTS, ("first", "middle", "last"), ERRORS
+    )
+]
+
+
+@pytest.mark.parametrize(("family", "mode", "point", "which", "error"), CASES)
+def test_fault(family: str, mode: str, point: str, which: str, error: str) -> None:
+    run_case(family, mode == "packed", point, which, ERRORS[error])

@@ -31,11 +31,12 @@ def _size(name: str, value: object, unit: str) -> None:
         raise TypeError(f"OffloadConfig.{name} must be a number of {unit}, got {value!r}.")
     if not value >= 0:
         raise ValueError(f"OffloadConfig.{name} must be >= 0 {unit}, got {value!r}.")
-    limit = MAX_BYTES // _UNITS[unit]
     # Byte counts are int64 downstream; an infinite or absurd size would overflow there.
-    if not math.isfinite(value) or value > limit:
+    # The same rule as the options parser's (``parse_mib``), so both accept the same values.
+    if not math.isfinite(value) or value * _UNITS[unit] > MAX_BYTES:
         raise ValueError(
-            f"OffloadConfig.{name} must be a finite number of {unit} below {limit + 1}, got "
+            f"OffloadConfig.{name} must be a finite number of {unit} below "
+            f"{(MAX_BYTES + 1) // _UNITS[unit]}, got "
             f"{value!r}. Give the real size; a budget larger than the device is never binding."
         )
 

@@ -87,3 +87,16 @@ def test_offload_config_min_offload_kib_error_says_kib() -> None:
 def test_offload_config_largest_sizes_still_give_bytes() -> None:
     config = OffloadConfig(max_resident_activation_mb=2**42, min_offload_kib=2**52)
     assert config.budget_bytes == 2**62 and config.min_offload_bytes == 2**62
+
+
+@pytest.mark.parametrize(
+    ("field", "unit"), [("max_offload_activation_mb", 2**20), ("min_offload_kib", 2**10)]
+)
+def test_offload_config_and_the_parser_share_one_limit(field: str, unit: int) -> None:
+    # Found by hypothesis: 8796093022207.5 MiB fits in int64 bytes, and the parser took it
+    # while the config refused it.
+    from swapopt_core._options import parse_mib
+
+    largest = (2**63 - 2**20) / unit + 0.5  # just under 2**63 bytes
+    assert parse_mib(allow_none=False, unit=unit)(largest) == largest
+    assert getattr(OffloadConfig(**{field: largest}), field) == largest

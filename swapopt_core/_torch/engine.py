@@ -16,7 +16,6 @@ import torch
 
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
-from swapopt_core._errors import SwapOptError
 from swapopt_core._partition import partition
 from swapopt_core._pipeline import deferred_interrupt, run_pipeline
 from swapopt_core._runtime import TransferRuntime
@@ -24,6 +23,7 @@ from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.checkpoint import CheckpointHooks
 from swapopt_core._torch.staging import PackedStaging, PerTensorStaging
 from swapopt_core._torch.state import Slot, local_tensor, wrap_like
+from swapopt_core._torch.transaction import check_grads, check_params, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class SwapEngine(EngineBase):
     def install(self) -> None:
         opt = self.optimizer
         self.adapter.validate(opt)
-        self._check_params()
+        check_params(self.optimizer.param_groups)
         try:
             # Offload state that exists already, so it is not resident through the next
             # forward/backward. Done first: a failure here leaves no hook behind.
@@ -280,30 +280,6 @@ class SwapEngine(EngineBase):
     def _post_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self.step()
 
-    def _check_params(self) -> None:
-        """Refuse a parameter listed twice in a group (torch only warns about it)."""
-        for index, group in enumerate(self.optimizer.param_groups):
-            seen: dict[int, int] = {}
-            for position, param in enumerate(group["params"]):
-                first = seen.setdefault(id(param), position)
-                if first != position:
-                    raise SwapOptError(
-                        f"param_groups[{index}]['params'][{position}] is the same tensor as "
-                        f"param_groups[{index}]['params'][{first}]; swapopt does not swap a "
-                        "parameter listed twice (torch would update it twice per step). Pass "
-                        "each parameter once, e.g. list(dict.fromkeys(model.parameters()))."
-                    )
-
-    def _check_grads(self) -> None:
-        for index, group in enumerate(self.optimizer.param_groups):
-            for position, param in enumerate(group["params"]):
-                if param.grad is not None and param.grad.layout != torch.strided:
-                    raise SwapOptError(
-                        f"param_groups[{index}]['params'][{position}] has a {param.grad.layout} "
-                        f"gradient; {self.adapter.family} under swapopt needs dense gradients. "
-                        "Use a dense embedding (sparse=False) or a sparse optimizer unswapped."
-                    )
-
     def step(self) -> None:
         """Run one swapped update of every parameter that has a gradient.
 
@@ -318,8 +294,8 @@ class SwapEngine(EngineBase):
         opt = self.optimizer
         self.settle()
         self.adapter.validate(opt)
-        self._check_params()
-        self._check_grads()
+        check_params(self.optimizer.param_groups)
+        check_grads(opt.param_groups, self.adapter.family)
         with torch.no_grad():
             units = self.sync_state(stepping=True)
             remaining = [u for u in units if not self._already_done(u)]
@@ -330,11 +306,15 @@ class SwapEngine(EngineBase):
             done: dict[int, tuple[torch.Tensor, int]] = {}
 
             def update(i: int, views: dict[Slot, torch.Tensor]) -> None:
-                undo = self._snapshot(batches[i])
+                undo = [
+                    snapshot(opt.state[u.param], u.param, {s.key for s in u.slots})
+                    for u in batches[i]
+                ]
                 try:
                     self._update_batch(batches[i], views)
                 except BaseException:
-                    self._roll_back(undo)
+                    for saved in undo:
+                        saved.roll_back(opt.state[saved.param], self.slots)
                     raise
                 for unit in batches[i]:
                     done[id(unit.param)] = (unit.grad, unit.grad._version)
@@ -359,37 +339,6 @@ class SwapEngine(EngineBase):
     def _already_done(self, unit: _Unit) -> bool:
         record = self._finished.get(id(unit.param))
         return record is not None and record[0] is unit.grad and record[1] == unit.grad._version
-
-    def _snapshot(self, units: list[_Unit]) -> list[tuple[_Unit, dict, dict, torch.Tensor]]:
-        """What an update changes in place besides the swapped state: a copy to undo it.
-
-        The parameters and the resident state entries (the step counter, state too small to
-        swap) are copied on their device; the swapped state needs none, since its host copy
-        is only overwritten by a copy out after the update succeeded.
-        """
-        undo = []
-        for unit in units:
-            entries = dict(self.optimizer.state[unit.param])
-            swapped = {slot.key for slot in unit.slots}
-            values = {
-                key: local_tensor(value).clone()
-                for key, value in entries.items()
-                if key not in swapped and isinstance(value, torch.Tensor)
-            }
-            undo.append((unit, entries, values, local_tensor(unit.param).clone()))
-        return undo
-
-    def _roll_back(self, undo: list[tuple[_Unit, dict, dict, torch.Tensor]]) -> None:
-        """Put back parameters and state as ``_snapshot`` saw them."""
-        for unit, entries, values, param in undo:
-            local_tensor(unit.param).copy_(param)
-            state = self.optimizer.state[unit.param]
-            for key in state.keys() - entries.keys():
-                del state[key]
-                self.slots.pop((id(unit.param), key), None)
-            state.update(entries)
-            for key, value in values.items():
-                local_tensor(entries[key]).copy_(value)
 
     def _update_batch(self, units: list[_Unit], views: dict[Slot, torch.Tensor]) -> None:
         opt = self.optimizer

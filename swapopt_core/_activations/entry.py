@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from swapopt_core._activations.guards import CompileWatch
+from swapopt_core._activations.guards import CompileWatch, compiled_refusal
 from swapopt_core._activations.residency import Residency, Tracked
 from swapopt_core._activations.runtime import ActivationRuntime
 from swapopt_core._planning.ir import (
@@ -94,6 +94,12 @@ class _Mode(TorchDispatchMode):
     def __init__(self, entry: Entry) -> None:
         super().__init__()
         self.entry = entry
+        self.armed = False  # set once entered: Dynamo asks before running compiled code
+
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        if self.armed:
+            raise compiled_refusal()  # before Dynamo marks the function to run eagerly
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         return self.entry.dispatch(func, args, kwargs or {})

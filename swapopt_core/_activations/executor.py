@@ -131,6 +131,7 @@ class Executor:
         else:
             self.entry = Entry(self)
         self.entry.mode.__enter__()
+        self.entry.mode.armed = True
 
     def exit(
         self, exc_type: object = None, exc: object = None, tb: object = None
@@ -142,6 +143,7 @@ class Executor:
         """
         entry = self.entry
         assert entry is not None
+        entry.mode.armed = False
         entry.mode.__exit__(exc_type, exc, tb)
         try:
             if exc_type is not None:

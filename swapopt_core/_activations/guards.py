@@ -1,10 +1,15 @@
 """Misuse an ``OffloadSession`` cannot serve, found as early as it shows: compiled code.
 
 A session sees a step through a ``TorchDispatchMode``. ``torch.compile`` runs any function
-it meets while such a mode is active eagerly, and says so only in its debug log: the step
-would be correct but silently lose its compilation. Dynamo records why it skipped a frame
-in a thread-local list when one is there; ``CompileWatch`` gives it one for the length of
-an entry and refuses at the first op of a function Dynamo skipped because of the mode.
+it meets while such a mode is active eagerly, says so only in its debug log, and keeps
+running that function eagerly from then on, outside the session too. Before it decides,
+Dynamo asks each active mode's ``ignore_compile_internals()``; the session's mode answers
+by raising ``compiled_refusal()``, so the call fails before Dynamo marks the function and
+the compiled model stays compiled.
+
+With ``torch._dynamo.config.inline_torch_dispatch_torch_compile`` off, Dynamo does not ask;
+``CompileWatch`` then reads the reasons Dynamo records for skipped frames (in a
+thread-local list it fills when one is there) and refuses at the function's first op.
 """
 
 from __future__ import annotations
@@ -12,10 +17,21 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["CompileWatch"]
+__all__ = ["CompileWatch", "compiled_refusal"]
 
 #: The words Dynamo uses when it skips a frame because a dispatch mode is active.
 _SKIPPED_FOR_MODE = "dispatch mode present"
+
+
+def compiled_refusal(where: str = "") -> RuntimeError:
+    """The error for a ``torch.compile``d function called inside a session."""
+    at = f" ({where})" if where else ""
+    return RuntimeError(
+        f"A torch.compile'd function{at} was called inside an OffloadSession, where "
+        "torch.compile would run it eagerly and lose the compilation. Compiled code is not "
+        "supported inside a session: call the compiled model outside the session, or the "
+        "eager model inside it."
+    )
 
 
 def _dynamo_state() -> Any:
@@ -56,13 +72,7 @@ class CompileWatch:
         fresh, self._seen = reasons[self._seen :], len(reasons)
         skipped = next((r for r in fresh if _SKIPPED_FOR_MODE in r), None)
         if skipped is not None:
-            where = skipped.rsplit(": ", 1)[0]
-            raise RuntimeError(
-                f"A torch.compile'd function ({where}) ran inside an OffloadSession, which "
-                "would run it eagerly and lose the compilation. Compiled code is not supported "
-                "inside a session: call the compiled model outside the session, or use the "
-                "eager model inside it."
-            )
+            raise compiled_refusal(skipped.rsplit(": ", 1)[0])
 
     def stop(self) -> None:
         """Hand Dynamo its list back (the entry ended)."""

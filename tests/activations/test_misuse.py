@@ -168,6 +168,38 @@ def test_compiled_code_inside_a_session_is_refused_clearly(manager) -> None:
     compiled(x)  # and the compiled one outside the session
 
 
+def test_compiled_code_is_refused_where_dynamo_does_not_ask_the_mode(manager) -> None:
+    import torch._dynamo.config
+
+    weight = torch.randn(64, 64, requires_grad=True)
+
+    def layer(a: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(a @ weight).sum()
+
+    # A function of its own: Dynamo now marks its code to run eagerly for good, and a
+    # compiled module would share that mark with every other compiled module.
+    compiled = torch.compile(layer, backend="aot_eager")
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    session = OffloadSession(EVERY_GAP, plugin_manager=manager)
+    refused = pytest.raises(RuntimeError, match=r"torch\.compile'd function \(layer .*\) was")
+    asks_no_mode = torch._dynamo.config.patch(inline_torch_dispatch_torch_compile=False)
+    with asks_no_mode, refused, session:
+        compiled(x).backward()
+
+
+@pytest.mark.slow  # inductor compiles C++ with gcc: about 25 s on a 2-core machine
+def test_an_inductor_compiled_model_is_refused_and_stays_compiled_outside(manager) -> None:
+    model = Wide()
+    compiled = torch.compile(model)  # the default backend, inductor
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    before = compiled(x)
+    session = OffloadSession(EVERY_GAP, plugin_manager=manager)
+    refused = pytest.raises(RuntimeError, match=r"torch\.compile'd function .* not supported")
+    with refused, session:
+        compiled(x).backward()
+    assert torch.equal(compiled(x), before)  # still the compiled run, not an eager one
+
+
 # ---- skip_offload under a binding budget -----------------------------------------------
 
 

@@ -221,17 +221,22 @@ class Residency:
         """Bring every live released storage back (end of the session, or a fallback).
 
         A storage whose copy in fails is tried once more after the others, so one transient
-        fault loses nothing; a second failure is raised, with the storage still released.
+        fault loses nothing; a second failure is raised, with the storage still released. A
+        ``KeyboardInterrupt`` waits until every storage is back, then is raised again.
         """
-        failed = []
+        failed, interrupt = [], None
         for sid in [*self.released, *self.pending_in]:
             try:
                 self.ready(self.by_sid[sid])
-            except Exception:
+            except BaseException as error:  # noqa: BLE001 - an interrupt is re-raised below
+                if not isinstance(error, Exception):
+                    interrupt = interrupt or error
                 logger.warning("restoring activation %d failed; retrying", sid, exc_info=True)
                 failed.append(sid)
         for sid in failed:
             self.ready(self.by_sid[sid])
+        if interrupt is not None:
+            raise interrupt
 
     def close(self) -> None:
         """End of the session entry: restore what is still alive and drop host copies."""

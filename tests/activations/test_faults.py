@@ -1,11 +1,13 @@
 """The OffloadSession part of the fault matrix: nothing is lost when a step is interrupted.
 
-An exception or a ``KeyboardInterrupt`` is raised at the k-th hit of a fault site: in forward,
-in backward (a tensor hook), in a copy of a real loopback runtime (its ``copy_out`` and
-``copy_in`` wrapped), and at the host pool (its ``acquire`` wrapped, under a host cap that
-binds). Afterwards the tensors the failed step made before the fault hold the reference's
-bits, and the next steps give gradients and parameters ``torch.equal`` to a model trained
-without the session. Each fault fires in a warmup and in a replay.
+An exception or a ``KeyboardInterrupt`` is raised at the k-th hit of a fault site: in
+forward, in backward (a tensor hook), in a copy of a real loopback runtime (its ``copy_out``
+and ``copy_in`` wrapped), at the host pool (its ``acquire`` wrapped, under a host cap that
+binds), and in a copy in that brings a storage back as the entry ends (``restore``: a
+forward-only step leaves saved activations offloaded). Afterwards the tensors the failed
+step made before the fault hold the reference's bits, and the next steps give gradients and
+parameters ``torch.equal`` to a model trained without the session. Each fault fires in a
+warmup and in a replay.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from swapopt_core import OffloadConfig, OffloadSession
 from swapopt_core._activations.runtime import ActivationRuntime
 from tests.activations.test_session import Net, _batch, _opaque_block
 
-SITES = ("forward", "backward", "copy_out", "copy_in", "host_cap")
+SITES = ("forward", "backward", "copy_out", "copy_in", "host_cap", "restore")
 ERRORS = (ValueError, KeyboardInterrupt)
 PHASES = ("warmup", "replay")
 HITS = (1, 3)  # the k-th hit of the site in the failing step
@@ -100,7 +102,14 @@ def _session(manager, faults: Faults, site: str) -> OffloadSession:
     session = OffloadSession(config, plugin_manager=manager)
     runtime = ActivationRuntime()  # a real loopback runtime, its copies wrapped
     runtime.copy_out = faults.wrap("copy_out", runtime.copy_out)
-    runtime.copy_in = faults.wrap("copy_in", runtime.copy_in)
+    copy_in = faults.wrap("copy_in", runtime.copy_in)
+    restore = faults.wrap("restore", runtime.copy_in)
+
+    def either(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        closing = session._executor.entry is None  # the entry is being closed
+        return (restore if closing else copy_in)(*args, **kwargs)
+
+    runtime.copy_in = either
     session._executor._use(runtime)
     pool = session._executor.pool
     pool.acquire = faults.wrap("host_cap", pool.acquire)
@@ -137,7 +146,8 @@ def _case(manager, site: str, error: type[BaseException], phase: str, k: int) ->
         with session:
             torch.manual_seed(first)
             logits = model(_batch(first))
-            logits.square().mean().backward()
+            if site != "restore":
+                logits.square().mean().backward()
     except error:
         pass
     faults.disarm()
@@ -161,7 +171,7 @@ def _case(manager, site: str, error: type[BaseException], phase: str, k: int) ->
         _clean_step(reference, model, optimizers, session, step)
     for a, b in zip(reference.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
-    if site != "forward" or phase == "replay":
+    if site not in ("forward", "restore") or phase == "replay":
         assert session.stats().replays >= 1  # the plan still replays after the fault
 
 

@@ -75,6 +75,7 @@ def deferred_interrupt() -> Iterator[None]:
 
     def hold(signum: int, frame: Any) -> None:
         if received:  # asked twice: the user means it
+            received.clear()  # delivered here, not again on the way out
             signal.signal(signal.SIGINT, previous)
             raise KeyboardInterrupt
         received.append(signum)

@@ -6,6 +6,7 @@ its adapter) instance, so every byte really moves through the engine's own code.
 
 from __future__ import annotations
 
+import signal
 import warnings
 
 import pytest
@@ -233,3 +234,53 @@ def test_a_named_runtime_that_serves_no_parameter_is_refused() -> None:
     with pytest.raises(ValueError, match=r"runtime='cuda'.*\['cpu'\].*loopback"):
         swap_optimizer(opt, SwapOptimizerConfig(runtime="cuda"))
     assert engine_of(opt) is None
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
+def test_ctrl_c_during_a_step_is_delivered_once_the_step_is_complete(packed: bool) -> None:
+    plain_model, plain, swapped_model, swapped = _pair(packed)
+    runtime = engine_of(swapped).runtime
+    original = runtime.copy_out
+    sent = []
+
+    def copy_out_then_ctrl_c(pairs):  # noqa: ANN001, ANN202
+        result = original(pairs)
+        if not sent:
+            sent.append(True)
+            signal.raise_signal(signal.SIGINT)  # between two lines of the pipeline
+        return result
+
+    runtime.copy_out = copy_out_then_ctrl_c
+    swapped.zero_grad()
+    _backward(swapped_model, 0)
+    with pytest.raises(KeyboardInterrupt):
+        swapped.step()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert swap_stats(swapped).steps == 1  # the whole step ran before the interrupt
+    _step(plain_model, plain, 0)
+    _assert_equal(plain_model, plain, swapped_model, swapped)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
+def test_a_second_ctrl_c_interrupts_the_step_at_once() -> None:
+    _, _, swapped_model, swapped = _pair(packed=True)
+    runtime = engine_of(swapped).runtime
+    original = runtime.copy_in
+    calls = []
+
+    def copy_in_with_two_ctrl_c(pairs):  # noqa: ANN001, ANN202
+        calls.append(True)
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        return original(pairs)
+
+    runtime.copy_in = copy_in_with_two_ctrl_c
+    swapped.zero_grad()
+    _backward(swapped_model, 0)
+    with pytest.raises(KeyboardInterrupt):
+        swapped.step()
+    assert len(calls) == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert swap_stats(swapped).steps == 0
+    assert swap_stats(swapped).resident_state_bytes == 0

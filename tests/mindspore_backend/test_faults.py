@@ -182,3 +182,54 @@ CASES = [
 @pytest.mark.parametrize(("family", "mode", "point", "which", "error"), CASES)
 def test_fault(family: str, mode: str, point: str, which: str, error: str) -> None:
     run_case(family, mode == "packed", point, which, ERRORS[error])
+
+
+def test_a_copy_out_that_keeps_failing_keeps_the_batch_until_it_can_be_written() -> None:
+    ref_params = _params()
+    ref = FAMILIES["adam"](ref_params)
+    params, opt = _swapped("adam", packed=True)
+    runtime = engine_of(opt).runtime
+    original = runtime.copy_out
+
+    def broken(pairs):  # noqa: ANN001, ANN202
+        raise Injected("copy engine down")
+
+    runtime.copy_out = broken
+    grads = _grads(0)
+    with pytest.raises(Injected):
+        opt(grads)
+    assert swap_stats(opt).resident_state_bytes > 0  # kept on the device, not lost
+    runtime.copy_out = original
+    opt(grads)  # writes the kept batch back, then finishes the step
+    ref(grads)
+    assert swap_stats(opt).resident_state_bytes == 0
+    _assert_same(ref_params, params, ref, opt)
+
+
+def test_an_observer_that_raises_does_not_make_the_retry_step_twice() -> None:
+    from swapopt_core._plugins import new_plugin_manager
+    from swapopt_core.hookspecs import hookimpl
+
+    class Observer:
+        armed = True
+
+        @hookimpl
+        def swapopt_after_step(self, optimizer: object, stats: object) -> None:
+            if self.armed:
+                self.armed = False
+                raise Injected("observer")
+
+    manager = new_plugin_manager(load_entrypoints=False)
+    manager.register(Observer())
+    ref_params, params = _params(), _params()
+    ref, opt = FAMILIES["adam"](ref_params), FAMILIES["adam"](params)
+    config = SwapOptimizerConfig(runtime="loopback", min_numel=0)
+    swap_optimizer(opt, config, plugin_manager=manager)
+    grads = _grads(0)
+    with pytest.raises(Injected):
+        opt(grads)
+    assert swap_stats(opt).steps == 1  # the step finished; only an observer failed
+    opt(grads)  # tells the observers again, applies nothing
+    ref(grads)
+    assert swap_stats(opt).steps == 1
+    _assert_same(ref_params, params, ref, opt)

@@ -6,6 +6,7 @@ its adapter) instance, so every byte really moves through the engine's own code.
 
 from __future__ import annotations
 
+import copy
 import signal
 import warnings
 
@@ -284,3 +285,36 @@ def test_a_second_ctrl_c_interrupts_the_step_at_once() -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert swap_stats(swapped).steps == 0
     assert swap_stats(swapped).resident_state_bytes == 0
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
+@pytest.mark.parametrize("fault", ["copy_out-kept", "update-after"])
+def test_unswap_right_after_a_failure_gives_a_working_plain_optimizer(
+    packed: bool, fault: str
+) -> None:
+    _, _, swapped_model, swapped = _pair(packed)
+    _step(swapped_model, swapped, 0)
+    swapped.zero_grad()
+    _backward(swapped_model, 1)
+    engine = engine_of(swapped)
+    if fault == "copy_out-kept":
+        original = engine.runtime.copy_out
+        engine.runtime.copy_out = lambda pairs: (_ for _ in ()).throw(_Boom("down"))
+    else:
+        _fail_once(engine.adapter, "update", _Boom, at=2, after=True)
+    with pytest.raises(_Boom):
+        swapped.step()
+    if fault == "copy_out-kept":
+        engine.runtime.copy_out = original
+    unswap_optimizer(swapped)  # writes a kept batch back first
+    assert engine_of(swapped) is None
+    # The plain optimizer now holds exactly what the interrupted step left: a plain
+    # optimizer built from the same parameters and state steps to the same result.
+    reference_model = _model()
+    reference_model.load_state_dict(swapped_model.state_dict())
+    reference = torch.optim.Adam(reference_model.parameters(), lr=1e-2)
+    reference.load_state_dict(copy.deepcopy(swapped.state_dict()))
+    for model, opt in ((reference_model, reference), (swapped_model, swapped)):
+        _step(model, opt, 2)
+    _assert_equal(reference_model, reference, swapped_model, swapped)
+    assert all(len(s) == 3 for s in swapped.state.values())

@@ -119,18 +119,31 @@ def test_one_session_per_thread_runs_concurrently(manager) -> None:
 class NumpyNet(Wide):
     """Reads an activation through NumPy in the middle of forward."""
 
+    def __init__(self, region: bool) -> None:
+        super().__init__()
+        self.region = region
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen = []
         for index, layer in enumerate(self.layers):
             x = torch.tanh(layer(x))
             if index == 2:
-                self.seen.append(x.detach().numpy())  # shares x's storage with NumPy
+                read = _to_numpy_in_a_region if self.region else _to_numpy
+                self.seen.append(read(x))
         return x.sum()
 
 
-def test_a_storage_shared_with_numpy_stays_on_the_device(manager) -> None:
+def _to_numpy(x: torch.Tensor) -> object:
+    return x.detach().numpy()  # shares x's storage with NumPy
+
+
+_to_numpy_in_a_region = skip_offload(_to_numpy)
+
+
+@pytest.mark.parametrize("region", [False, True], ids=["plain", "skip_offload"])
+def test_a_storage_shared_with_numpy_stays_on_the_device(manager, region: bool) -> None:
     x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
-    reference, model = NumpyNet(), NumpyNet()
+    reference, model = NumpyNet(region), NumpyNet(region)
     session = OffloadSession(EVERY_GAP, plugin_manager=manager)
     for step in range(3):
         for m in (reference, model):

@@ -187,7 +187,8 @@ class MindSporeSwapEngine(EngineBase):
             _, prepared, done = self._interrupted
         else:
             prepared, done = self.adapter.prepare(opt, gradients), set()
-        self._interrupted = None
+        # From here on a retry with the same gradients must not run the preamble again.
+        self._interrupted = (identity, prepared, done)
         results: list[Any] = [True] * len(gradients)
         units = [i for i in range(len(gradients)) if i not in done and self.adapter.steps(opt, i)]
         by_index: dict[int, list[Slot]] = {}

@@ -23,7 +23,7 @@ from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.checkpoint import CheckpointHooks
 from swapopt_core._torch.staging import PackedStaging, PerTensorStaging
 from swapopt_core._torch.state import Slot, local_tensor, wrap_like
-from swapopt_core._torch.transaction import check_grads, check_params, snapshot
+from swapopt_core._torch.transaction import UndoArena, check_grads, check_params, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -304,11 +304,13 @@ class SwapEngine(EngineBase):
             runs = partition([u.nbytes for u in units], self.config.swap_times)
             batches = [[units[k] for k in run] for run in runs]
             done: dict[int, tuple[torch.Tensor, int]] = {}
+            arena = UndoArena([[u.param for u in b] for b in batches])
 
             def update(i: int, views: dict[Slot, torch.Tensor]) -> None:
+                saved = arena.copies([u.param for u in batches[i]])
                 undo = [
-                    snapshot(opt.state[u.param], u.param, {s.key for s in u.slots})
-                    for u in batches[i]
+                    snapshot(opt.state[u.param], u.param, {s.key for s in u.slots}, copy)
+                    for u, copy in zip(batches[i], saved, strict=True)
                 ]
                 try:
                     self._update_batch(batches[i], views)

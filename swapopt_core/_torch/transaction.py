@@ -17,7 +17,7 @@ import torch
 from swapopt_core._errors import SwapOptError
 from swapopt_core._torch.state import local_tensor
 
-__all__ = ["Undo", "check_grads", "check_params", "snapshot"]
+__all__ = ["Undo", "UndoArena", "check_grads", "check_params", "snapshot"]
 
 
 @dataclass
@@ -40,15 +40,63 @@ class Undo:
             local_tensor(self.entries[key]).copy_(value)
 
 
-def snapshot(state: MutableMapping[str, Any], param: torch.Tensor, swapped: set[str]) -> Undo:
-    """Save what an update of ``param`` changes in place, but for the ``swapped`` keys."""
+class UndoArena:
+    """Device memory for the parameter copies of one step, reused from batch to batch.
+
+    One flat buffer per device and dtype, sized for the largest batch, lives for one step:
+    a batch's copy is no longer needed once its update finished, so the next batch takes
+    the same memory. Allocating once per step rather than once per parameter keeps the
+    cost of the undo copy at the copy itself.
+
+    Args:
+        batches: The parameters of each batch of the step.
+    """
+
+    def __init__(self, batches: Sequence[Sequence[torch.Tensor]]) -> None:
+        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        for params in batches:
+            for key, numel in _needs(params).items():
+                sizes[key] = max(sizes.get(key, 0), numel)
+        self._buffers = {
+            key: torch.empty(numel, dtype=key[1], device=key[0]) for key, numel in sizes.items()
+        }
+
+    def copies(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """A copy of the local tensor of each of ``params``, in this arena."""
+        offsets = dict.fromkeys(self._buffers, 0)
+        out = []
+        for param in params:
+            local = local_tensor(param)
+            key = (local.device, local.dtype)
+            start = offsets[key]
+            offsets[key] = start + local.numel()
+            out.append(self._buffers[key][start : offsets[key]].view(local.shape).copy_(local))
+        return out
+
+
+def _needs(params: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], int]:
+    needs: dict[tuple[torch.device, torch.dtype], int] = {}
+    for param in params:
+        local = local_tensor(param)
+        key = (local.device, local.dtype)
+        needs[key] = needs.get(key, 0) + local.numel()
+    return needs
+
+
+def snapshot(
+    state: MutableMapping[str, Any], param: torch.Tensor, swapped: set[str], saved: torch.Tensor
+) -> Undo:
+    """Save what an update of ``param`` changes in place, but for the ``swapped`` keys.
+
+    ``saved`` is already a copy of the parameter's local tensor (see ``UndoArena``).
+    """
     entries = dict(state)
     values = {
         key: local_tensor(value).clone()
         for key, value in entries.items()
         if key not in swapped and isinstance(value, torch.Tensor)
     }
-    return Undo(param, entries, values, local_tensor(param).clone())
+    return Undo(param, entries, values, saved)
 
 
 def check_params(groups: Sequence[MutableMapping[str, Any]]) -> None:

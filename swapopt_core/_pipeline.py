@@ -125,6 +125,9 @@ def run_pipeline(
             raises, it must have left the batch (parameters and state) as it found it.
         kept: Receives the batches that were updated but could not be copied back.
 
+    The caller holds SIGINT over the whole step (``deferred_interrupt``), so a
+    ``KeyboardInterrupt`` only comes from code that raises it.
+
     Returns:
         Bytes copied host to device and device to host.
 
@@ -145,34 +148,33 @@ def run_pipeline(
         tickets[j] = runtime.copy_in(batch.pairs)
         h2d += batch.copy_bytes
 
-    with deferred_interrupt():
-        try:
-            staging.begin(batches)
-            for j in range(min(2, n)):
-                prefetch(j)
-            for i in range(n):
-                batch = staged[i]
-                assert batch is not None
-                runtime.wait(tickets[i])
-                update(i, batch.views)
-                unwritten = i
-                runtime.copy_out(batch.pairs)
-                unwritten = None
-                d2h += batch.copy_bytes
-                staged[i] = None
-                staging.unstage(batch)
-                if i + 2 < n:
-                    prefetch(i + 2)
-        except BaseException:
-            _recover(staged, unwritten, staging, runtime, kept)
-            _quietly(staging.end, "releasing the staging")
-            logger.debug("swap pipeline interrupted with %d of %d batches kept", len(kept), n)
-            raise
-        try:
-            staging.end()
-        finally:
-            # The host copies are the optimizer's public state: they must be final on return.
-            runtime.synchronize()
+    try:
+        staging.begin(batches)
+        for j in range(min(2, n)):
+            prefetch(j)
+        for i in range(n):
+            batch = staged[i]
+            assert batch is not None
+            runtime.wait(tickets[i])
+            update(i, batch.views)
+            unwritten = i
+            runtime.copy_out(batch.pairs)
+            unwritten = None
+            d2h += batch.copy_bytes
+            staged[i] = None
+            staging.unstage(batch)
+            if i + 2 < n:
+                prefetch(i + 2)
+    except BaseException:
+        _recover(staged, unwritten, staging, runtime, kept)
+        _quietly(staging.end, "releasing the staging")
+        logger.debug("swap pipeline interrupted with %d of %d batches kept", len(kept), n)
+        raise
+    try:
+        staging.end()
+    finally:
+        # The host copies are the optimizer's public state: they must be final on return.
+        runtime.synchronize()
     return h2d, d2h
 
 

@@ -14,6 +14,9 @@ import math
 from enum import Enum
 from typing import Any, NoReturn, TypeVar
 
+# Byte counts and ids are int64 downstream (the session, the runtimes, numpy timelines).
+from swapopt_core._options import MAX_BYTES
+
 __all__ = [
     "MAX_BYTES",
     "as_int",
@@ -27,8 +30,6 @@ __all__ = [
     "load_object",
 ]
 
-#: Byte counts and ids are int64 downstream (the session, the runtimes, numpy timelines).
-MAX_BYTES = 2**63 - 1
 _SHOWN = 60  # characters of a refused value quoted in an error
 
 E = TypeVar("E", bound=Enum)

@@ -212,13 +212,18 @@ class SwapEngine(EngineBase):
         opt = self.optimizer
         self.settle()
         ours = {id(slot.value) for slot in self.slots.values()}  # alive: ids are unique
-        moved = sum(
-            1
-            for group in opt.param_groups
-            for param in group["params"]
-            for key, value in opt.state.get(param, {}).items()
-            if key in self.keys(group) and id(value) not in ours and self.swappable(param, value)
-        )
+        moved = 0
+        for group in opt.param_groups:
+            keys = self.keys(group)
+            for param in group["params"]:
+                state = opt.state.get(param, {})
+                moved += sum(
+                    1
+                    for key in keys
+                    if key in state
+                    and id(state[key]) not in ours
+                    and self.swappable(param, state[key])
+                )
         with torch.no_grad():
             self.sync_state()
         return moved

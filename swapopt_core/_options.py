@@ -23,6 +23,7 @@ __all__ = [
     "parse_bool",
     "parse_choice",
     "parse_int",
+    "parse_rate",
     "parse_mib",
     "parse_name",
     "parse_name_list",
@@ -99,6 +100,23 @@ def parse_mib(*, allow_none: bool, unit: int = 2**20) -> Callable[[object], floa
         return float(value)
 
     return parse
+
+
+def parse_rate(value: object) -> float | None:
+    """A finite number > 0 (or its text); empty or a ``NONE_WORDS`` word means no limit."""
+    word = _word(value)
+    if value is None or word in NONE_WORDS or word == "":
+        return None
+    if word is not None:
+        try:
+            value = float(word)
+        except ValueError:
+            raise Invalid from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise Invalid
+    if not 0 < value < float("inf"):
+        raise Invalid
+    return float(value)
 
 
 def parse_choice(choices: Callable[[], Collection[str]]) -> Callable[[object], str]:

@@ -329,7 +329,7 @@ def test_activation_runtime_is_its_own_setting() -> None:
         ("SWAPOPT_RUNTIME", "tpu", "'loopback'"),
         ("SWAPOPT_ACTIVATION_BUDGET_MB", "lots", "MiB >= 0"),
         ("SWAPOPT_ACTIVATION_BUDGET_MB", "-5", "MiB >= 0"),
-        ("SWAPOPT_ACTIVATION_RUNTIME", "ascend", "one of ['auto', 'cuda', 'loopback']"),
+        ("SWAPOPT_ACTIVATION_RUNTIME", "ascend", "['auto', 'cuda', 'loopback', 'loopback-async']"),
     ],
 )
 def test_invalid_env_value_is_named(variable: str, value: str, accepted: str) -> None:

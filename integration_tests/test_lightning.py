@@ -340,7 +340,7 @@ def test_auto_registration(tmp_path, monkeypatch, package) -> None:
         ("SWAPOPT_PACKED_SWAP", "sometimes", "'auto' or null for the runtime's default, or a bool"),
         ("SWAPOPT_RUNTIME", "tpu", "'loopback'"),
         ("SWAPOPT_ACTIVATION_BUDGET_MB", "-4", "a number of MiB >= 0"),
-        ("SWAPOPT_ACTIVATION_RUNTIME", "ascend", "one of ['auto', 'cuda', 'loopback']"),
+        ("SWAPOPT_ACTIVATION_RUNTIME", "ascend", "['auto', 'cuda', 'loopback', 'loopback-async']"),
     ],
 )
 def test_invalid_env(tmp_path, monkeypatch, package, name, value, accepted) -> None:

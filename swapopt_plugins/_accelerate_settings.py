@@ -35,7 +35,7 @@ class SwapOptimizerPlugin:
             ``offload_session()`` offers an ``OffloadSession``. ``"none"`` switches it off.
             Env ``SWAPOPT_ACTIVATION_BUDGET_MB``; default off.
         activation_runtime: Runtime of the activation offload: ``"auto"`` (where the
-            activations live), ``"cuda"`` or ``"loopback"``. Env
+            activations live), ``"cuda"``, ``"loopback"`` or ``"loopback-async"``. Env
             ``SWAPOPT_ACTIVATION_RUNTIME``; default ``"auto"``.
 
     Raises:

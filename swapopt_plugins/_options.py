@@ -14,7 +14,7 @@ Settings (field name: environment variable):
 - ``runtime``: ``SWAPOPT_RUNTIME``, ``auto`` or a registered torch runtime (optimizer swap).
 - ``activation_budget_mb``: ``SWAPOPT_ACTIVATION_BUDGET_MB``, MiB >= 0, or ``none``.
 - ``activation_runtime``: ``SWAPOPT_ACTIVATION_RUNTIME``, ``auto`` (where the activations
-  live), ``cuda`` or ``loopback``.
+  live), ``cuda``, ``loopback`` or ``loopback-async``.
 """
 
 from __future__ import annotations

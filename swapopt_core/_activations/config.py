@@ -19,7 +19,7 @@ from swapopt_core._planning.interface import AUTO, DEFAULT_MIN_OFFLOAD_BYTES
 __all__ = ["RUNTIMES", "OffloadConfig"]
 
 #: Names ``OffloadConfig.runtime`` accepts.
-RUNTIMES = ("auto", "cuda", "loopback")
+RUNTIMES = ("auto", "cuda", "loopback", "loopback-async")
 
 
 _UNITS = {"MiB": 2**20, "KiB": 2**10}
@@ -61,7 +61,9 @@ class OffloadConfig:
             runtime when one of that op's tensors (or its ``device`` argument, as in
             ``x.to("cuda")``) is on a CUDA device, loopback otherwise.
             ``"cuda"`` (the current CUDA device) or ``"loopback"`` (CPU tensors play the
-            device) choose one outright. Default: "auto".
+            device) choose one outright; ``"loopback-async"`` is loopback with the copies
+            on worker threads, as on CUDA streams (paced by ``SWAPOPT_LOOPBACK_GBPS`` and
+            ``SWAPOPT_LOOPBACK_JITTER_US``). Default: "auto".
         min_offload_kib: Storages smaller than this are left on the device unless the
             budget cannot be met otherwise (a copy's fixed cost outweighs what they free);
             the warmup never evicts them, and the trace carries it to the planner

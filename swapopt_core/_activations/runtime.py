@@ -37,16 +37,24 @@ def choose_runtime(wanted: str, device: torch.device | None = None) -> Activatio
         wanted: ``"auto"`` follows ``device``: the CUDA runtime on that CUDA device, loopback
             for anything else (CPU tensors are then the "device" and their copies go to
             other CPU buffers). ``"cuda"`` is the current CUDA device, ``"loopback"`` CPU
-            tensors, wherever the activations are.
+            tensors, wherever the activations are; ``"loopback-async"`` too, with the
+            copies on worker threads as on CUDA streams (``async_runtime.py``).
         device: Where the activations are, as an entry's first op shows it; what
             ``"auto"`` follows.
 
     Raises:
         RuntimeError: ``"cuda"`` is asked for and CUDA is not available.
+        ValueError: ``"loopback-async"`` is asked for and a ``SWAPOPT_LOOPBACK_*`` variable
+            holds a value it does not accept.
     """
     if wanted == "auto" and device is not None and device.type == "cuda":
         index = torch.cuda.current_device() if device.index is None else device.index
         return CudaActivationRuntime(torch.device("cuda", index))
+    if wanted == "loopback-async":
+        # Imported here: that module builds on this one.
+        from swapopt_core._activations.async_runtime import AsyncLoopbackRuntime
+
+        return AsyncLoopbackRuntime()
     if wanted != "cuda":
         return ActivationRuntime()
     if not torch.cuda.is_available():

@@ -1,5 +1,5 @@
 """Shared by the activation tests: a planner that exercises every action, registered on a
-fresh plugin manager."""
+fresh plugin manager, and the runtimes the equivalence tests run on."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ from swapopt_core import (
     hookimpl,
     new_plugin_manager,
 )
+from swapopt_core._lanes import ENV_GBPS, ENV_JITTER_US
 from swapopt_core._planning.ir import AccessKind, ActionKind
+
+#: Each op queued on a ``loopback-async`` lane first sleeps a random 0..JITTER_US
+#: microseconds, so a missing wait meets a copy still in flight.
+JITTER_US = 300
 
 
 class OffloadEveryGap(ResidencyPlanner):
@@ -54,3 +59,13 @@ def manager():
     manager = new_plugin_manager(load_entrypoints=False)
     manager.register(_Plugin())
     return manager
+
+
+@pytest.fixture(params=["loopback", "loopback-async"])
+def runtime_name(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The runtime an equivalence test runs on: synchronous loopback, and the asynchronous
+    one (copy lanes playing the CUDA streams) with jitter on and no bandwidth limit."""
+    if request.param == "loopback-async":
+        monkeypatch.setenv(ENV_JITTER_US, str(JITTER_US))
+        monkeypatch.delenv(ENV_GBPS, raising=False)
+    return request.param

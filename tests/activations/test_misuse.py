@@ -25,6 +25,12 @@ EVERY_GAP = OffloadConfig(
 )
 
 
+def _every_gap(runtime: str) -> OffloadConfig:
+    return OffloadConfig(
+        max_resident_activation_mb=0.1, runtime=runtime, planner="every-gap", min_offload_kib=0
+    )
+
+
 # ---- threads ---------------------------------------------------------------------------
 
 _TWO_THREADS = textwrap.dedent(
@@ -85,7 +91,7 @@ def test_a_second_thread_is_refused_and_the_first_step_finishes_intact() -> None
     assert "INTACT" in done.stdout
 
 
-def test_one_session_per_thread_runs_concurrently(manager) -> None:
+def test_one_session_per_thread_runs_concurrently(manager, runtime_name: str) -> None:
     x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
     reference = Wide()
     reference(x).backward()
@@ -94,7 +100,8 @@ def test_one_session_per_thread_runs_concurrently(manager) -> None:
     models = {name: Wide() for name in "AB"}
 
     def train(name: str) -> None:
-        model, session = models[name], OffloadSession(EVERY_GAP, plugin_manager=manager)
+        model = models[name]
+        session = OffloadSession(_every_gap(runtime_name), plugin_manager=manager)
         for _ in range(3):  # a warmup and two replays
             model.zero_grad()
             with session:
@@ -141,10 +148,12 @@ _to_numpy_in_a_region = skip_offload(_to_numpy)
 
 
 @pytest.mark.parametrize("region", [False, True], ids=["plain", "skip_offload"])
-def test_a_storage_shared_with_numpy_stays_on_the_device(manager, region: bool) -> None:
+def test_a_storage_shared_with_numpy_stays_on_the_device(
+    manager, runtime_name: str, region: bool
+) -> None:
     x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
     reference, model = NumpyNet(region), NumpyNet(region)
-    session = OffloadSession(EVERY_GAP, plugin_manager=manager)
+    session = OffloadSession(_every_gap(runtime_name), plugin_manager=manager)
     for step in range(3):
         for m in (reference, model):
             m.zero_grad()
@@ -233,11 +242,13 @@ class RegionNet(Wide):
 
 
 @pytest.mark.parametrize("planner", ["auto", "every-gap"])
-def test_skip_offload_regions_replay_under_a_binding_budget(manager, planner: str) -> None:
+def test_skip_offload_regions_replay_under_a_binding_budget(
+    manager, runtime_name: str, planner: str
+) -> None:
     x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
     reference, model = RegionNet(), RegionNet()
     config = OffloadConfig(
-        max_resident_activation_mb=0.5, runtime="loopback", planner=planner, min_offload_kib=0
+        max_resident_activation_mb=0.5, runtime=runtime_name, planner=planner, min_offload_kib=0
     )
     session = OffloadSession(config, plugin_manager=manager)
     for step in range(3):

@@ -19,9 +19,11 @@ from swapopt_core._planning.simulate import simulate
 from swapopt_core._planning.synthetic import SHAPES, llama_training_trace
 from tests.activations.test_session import Net, Wide, _batch, _grads, _step
 
-EVERY_GAP = OffloadConfig(
-    max_resident_activation_mb=0.25, runtime="loopback", planner="every-gap", min_offload_kib=0
-)
+
+def _every_gap(runtime: str) -> OffloadConfig:
+    return OffloadConfig(
+        max_resident_activation_mb=0.25, runtime=runtime, planner="every-gap", min_offload_kib=0
+    )
 
 
 def _through_json(
@@ -32,8 +34,11 @@ def _through_json(
     )
 
 
-def test_a_session_replays_bit_exactly_from_a_plan_read_back_from_json(manager) -> None:
-    recorder, model, x = OffloadSession(EVERY_GAP, plugin_manager=manager), Net(), _batch(0)
+def test_a_session_replays_bit_exactly_from_a_plan_read_back_from_json(
+    manager, runtime_name: str
+) -> None:
+    config = _every_gap(runtime_name)
+    recorder, model, x = OffloadSession(config, plugin_manager=manager), Net(), _batch(0)
     with recorder:
         _step(model, x, seed=0)
     trace, schedule = _through_json(recorder.trace, recorder.schedule)
@@ -42,7 +47,7 @@ def test_a_session_replays_bit_exactly_from_a_plan_read_back_from_json(manager) 
     reference, replayed = Net(), Net()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     opt = torch.optim.SGD(replayed.parameters(), lr=0.05)
-    session = OffloadSession(EVERY_GAP, plugin_manager=manager)
+    session = OffloadSession(config, plugin_manager=manager)
     session.load_plan(trace, schedule)
     assert session.trace is trace and session.schedule is schedule
     for step in range(1, 4):
@@ -62,15 +67,17 @@ def test_a_session_replays_bit_exactly_from_a_plan_read_back_from_json(manager) 
     assert stats.planned_actions == len(schedule)
 
 
-def test_swapopt_plan_plans_a_session_trace_as_the_session_did(tmp_path: Path) -> None:
+def test_swapopt_plan_plans_a_session_trace_as_the_session_did(
+    tmp_path: Path, runtime_name: str
+) -> None:
     x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
-    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1 << 20, runtime="loopback"))
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1 << 20, runtime=runtime_name))
     model = Wide()
     with probe:
         model(x).backward()
     budget_mb = 0.5 * simulate(probe.trace).natural_peak_bytes / 2**20
     config = OffloadConfig(
-        max_resident_activation_mb=budget_mb, runtime="loopback", min_offload_kib=64
+        max_resident_activation_mb=budget_mb, runtime=runtime_name, min_offload_kib=64
     )
     recorder = OffloadSession(config)
     model.zero_grad()
@@ -102,11 +109,12 @@ def test_swapopt_plan_plans_a_session_trace_as_the_session_did(tmp_path: Path) -
     assert (stats.warmups, stats.replays) == (0, 2) and stats.d2h_bytes > 0
 
 
-def test_a_loaded_plan_for_another_step_is_traced_again(manager) -> None:
-    recorder, model, x = OffloadSession(EVERY_GAP, plugin_manager=manager), Net(), _batch(0)
+def test_a_loaded_plan_for_another_step_is_traced_again(manager, runtime_name: str) -> None:
+    config = _every_gap(runtime_name)
+    recorder, model, x = OffloadSession(config, plugin_manager=manager), Net(), _batch(0)
     with recorder:
         _step(model, x, seed=0)
-    session = OffloadSession(EVERY_GAP, plugin_manager=manager)
+    session = OffloadSession(config, plugin_manager=manager)
     session.load_plan(*_through_json(recorder.trace, recorder.schedule))
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
     reference, model = Wide(), Wide()
@@ -120,8 +128,8 @@ def test_a_loaded_plan_for_another_step_is_traced_again(manager) -> None:
     assert session.trace is not None and session.trace.ops[0].name != recorder.trace.ops[0].name
 
 
-def test_a_plan_that_cannot_drive_a_replay_is_refused(manager) -> None:
-    session = OffloadSession(EVERY_GAP, plugin_manager=manager)
+def test_a_plan_that_cannot_drive_a_replay_is_refused(manager, runtime_name: str) -> None:
+    session = OffloadSession(_every_gap(runtime_name), plugin_manager=manager)
     synthetic = llama_training_trace(SHAPES["tiny"])  # planned and simulated, never recorded
     with pytest.raises(
         ValueError, match=r"cannot drive a replay: storage \d+ .*no output position"

@@ -1,13 +1,18 @@
-"""Which runtime moves the activations: ``runtime="auto"`` follows the device they are on."""
+"""Which runtime moves the activations: ``runtime="auto"`` follows the device they are on;
+``"loopback-async"`` queues its copies on worker threads and paces them as asked."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
 from swapopt_core import OffloadConfig, OffloadSession
+from swapopt_core._activations.async_runtime import AsyncLoopbackRuntime
 from swapopt_core._activations.entry import _device_of
-from swapopt_core._activations.runtime import ActivationRuntime, choose_runtime
+from swapopt_core._activations.runtime import ActivationRuntime, byte_view, choose_runtime
+from swapopt_core._lanes import ENV_GBPS, ENV_JITTER_US, LaneSettings
 from tests.activations.test_session import Wide
 
 
@@ -45,6 +50,7 @@ def test_auto_follows_the_device_of_the_first_tensor(cuda_claimed: None) -> None
     for device in ("cpu", "meta"):
         assert type(choose_runtime("auto", torch.device(device))) is ActivationRuntime
     assert type(choose_runtime("loopback")) is ActivationRuntime
+    assert type(choose_runtime("loopback-async")) is AsyncLoopbackRuntime
     cpu, meta, cuda = torch.ones(2), torch.ones(2, device="meta"), torch.device("cuda", 1)
     assert _device_of(((cpu, meta), {})) == torch.device("cpu")
     assert _device_of(((cpu,), {"device": cuda})) == cuda  # x.to("cuda") makes CUDA activations
@@ -57,5 +63,74 @@ def test_cuda_without_cuda_fails_at_entry_and_names_the_fix(monkeypatch) -> None
     session = OffloadSession(OffloadConfig(runtime="cuda"))
     with pytest.raises(RuntimeError, match=r"runtime='cuda' but CUDA is not available.*'loopback'"):
         session.__enter__()
+    with OffloadSession(OffloadConfig(runtime="loopback")):  # nothing was left active
+        pass
+
+
+# ---- loopback-async ----------------------------------------------------------------------
+
+
+def _storage(nbytes: int, value: int) -> torch.UntypedStorage:
+    return torch.full((nbytes,), value, dtype=torch.uint8).untyped_storage()
+
+
+def test_async_copies_are_queued_and_the_caller_goes_on() -> None:
+    runtime = AsyncLoopbackRuntime(LaneSettings())
+    gate = threading.Event()
+    runtime.d2h.submit(gate.wait)  # the D2H lane is busy until the test lets it go
+    storage, host = _storage(4096, 7), runtime.alloc_host(4096).zero_()
+    out = runtime.copy_out(storage, host)
+    assert not out.done() and int(host.sum()) == 0  # queued behind the busy copy
+    # The other direction has a lane of its own: a copy in finishes meanwhile (full duplex).
+    back, source = _storage(4096, 0), torch.full((4096,), 3, dtype=torch.uint8)
+    incoming = runtime.copy_in(back, source)
+    runtime.wait(incoming)
+    assert torch.equal(byte_view(back), source) and not out.done()
+    gate.set()
+    runtime.wait(out)
+    assert torch.equal(host, byte_view(storage))
+    runtime.synchronize()
+    assert not any(runtime._held.values())  # finished copies hold no tensors
+
+
+def test_async_copies_take_the_emulated_bandwidth() -> None:
+    # 1 MiB at 1 MB/s: the copy takes at least a second of the lane's time.
+    runtime = AsyncLoopbackRuntime(LaneSettings(gbps=0.001))
+    storage, host = _storage(2**20, 5), runtime.alloc_host(2**20)
+    ticket = runtime.copy_out(storage, host)
+    assert not ticket.done()  # still in flight right after it was queued
+    runtime.host_wait(ticket)
+    assert torch.equal(host, byte_view(storage))
+
+
+def test_async_bandwidth_is_measured_through_the_lanes() -> None:
+    # Each copy takes at least bytes / bandwidth, so the measured rate cannot exceed it.
+    d2h, h2d = AsyncLoopbackRuntime(LaneSettings(gbps=0.5)).measure_bandwidth(repeats=2)
+    assert 0 < d2h <= 0.5 and 0 < h2d <= 0.5
+
+
+def test_a_session_on_loopback_async_reads_the_lane_settings(monkeypatch) -> None:
+    monkeypatch.setenv(ENV_GBPS, "2.5")
+    monkeypatch.setenv(ENV_JITTER_US, "50")
+    session = OffloadSession(OffloadConfig(runtime="loopback-async"))
+    with session:
+        torch.ones(4).sum()
+    runtime = session._executor.runtime
+    assert isinstance(runtime, AsyncLoopbackRuntime)
+    assert runtime.settings == LaneSettings(gbps=2.5, jitter_us=50)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [(ENV_GBPS, "fast"), (ENV_GBPS, "0"), (ENV_JITTER_US, "-5"), (ENV_JITTER_US, "1.5")],
+)
+def test_bad_lane_settings_fail_at_entry_and_name_the_variable(
+    monkeypatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    session = OffloadSession(OffloadConfig(runtime="loopback-async"))
+    with pytest.raises(ValueError, match=rf"{name}='{value}' is invalid; accepted: "):
+        session.__enter__()
+    monkeypatch.delenv(name)
     with OffloadSession(OffloadConfig(runtime="loopback")):  # nothing was left active
         pass

@@ -1,4 +1,5 @@
-"""OffloadSession on the loopback runtime: same bits as without it, within the budget."""
+"""OffloadSession on the loopback runtimes (synchronous, and asynchronous with jitter): same
+bits as without it, within the budget."""
 
 from __future__ import annotations
 
@@ -74,13 +75,21 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     ids=["one-off", "lasting"],
 )
 def test_grads_match_over_warmup_and_replays(
-    manager, planner: str, budget_mb: float, rows: list[int], counts: tuple[int, int, int]
+    manager,
+    runtime_name: str,
+    planner: str,
+    budget_mb: float,
+    rows: list[int],
+    counts: tuple[int, int, int],
 ) -> None:
     reference, offloaded = Net(), Net()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     off_opt = torch.optim.SGD(offloaded.parameters(), lr=0.05)
     config = OffloadConfig(
-        max_resident_activation_mb=budget_mb, runtime="loopback", planner=planner, min_offload_kib=4
+        max_resident_activation_mb=budget_mb,
+        runtime=runtime_name,
+        planner=planner,
+        min_offload_kib=4,
     )
     session = OffloadSession(config, plugin_manager=manager)
     for step, n in enumerate(rows):
@@ -105,10 +114,13 @@ def test_grads_match_over_warmup_and_replays(
     assert session.trace is not None and session.schedule is not None
 
 
-def test_every_action_runs_and_moves_bytes(manager) -> None:
+def test_every_action_runs_and_moves_bytes(manager, runtime_name: str) -> None:
     model = Net()
     config = OffloadConfig(
-        max_resident_activation_mb=0.25, runtime="loopback", planner="every-gap", min_offload_kib=0
+        max_resident_activation_mb=0.25,
+        runtime=runtime_name,
+        planner="every-gap",
+        min_offload_kib=0,
     )
     session = OffloadSession(config, plugin_manager=manager)
     for step in range(2):
@@ -121,9 +133,9 @@ def test_every_action_runs_and_moves_bytes(manager) -> None:
     assert stats.replays == 1 and stats.d2h_bytes > 0 and stats.h2d_bytes > 0
 
 
-def test_trace_and_schedule_round_trip_through_json(manager) -> None:
+def test_trace_and_schedule_round_trip_through_json(manager, runtime_name: str) -> None:
     session = OffloadSession(
-        OffloadConfig(max_resident_activation_mb=0.25, runtime="loopback", planner="every-gap"),
+        OffloadConfig(max_resident_activation_mb=0.25, runtime=runtime_name, planner="every-gap"),
         plugin_manager=manager,
     )
     with session:
@@ -142,12 +154,12 @@ def test_trace_and_schedule_round_trip_through_json(manager) -> None:
     assert trace.d2h_bandwidth_gbps > 0 and trace.h2d_bandwidth_gbps > 0
 
 
-def test_host_cap_keeps_data_on_the_device(manager) -> None:
+def test_host_cap_keeps_data_on_the_device(manager, runtime_name: str) -> None:
     reference, offloaded = Net(), Net()
     config = OffloadConfig(
         max_resident_activation_mb=0.1,
         max_offload_activation_mb=0.05,
-        runtime="loopback",
+        runtime=runtime_name,
         planner="every-gap",
         min_offload_kib=0,
     )
@@ -166,12 +178,12 @@ def test_host_cap_keeps_data_on_the_device(manager) -> None:
     assert stats.host_peak_bytes <= 0.05 * 2**20
 
 
-def test_exception_inside_the_session_restores_everything(manager) -> None:
+def test_exception_inside_the_session_restores_everything(manager, runtime_name: str) -> None:
     model = Net()
     session = OffloadSession(
         OffloadConfig(
             max_resident_activation_mb=0.1,
-            runtime="loopback",
+            runtime=runtime_name,
             planner="every-gap",
             min_offload_kib=0,
         ),
@@ -208,7 +220,11 @@ def test_unknown_planner_is_named(manager) -> None:
     [
         ({"max_resident_activation_mb": -1}, ValueError, "max_resident_activation_mb must be >= 0"),
         ({"max_offload_activation_mb": "x"}, TypeError, "max_offload_activation_mb must be a num"),
-        ({"runtime": "tpu"}, ValueError, r"runtime must be one of \['auto', 'cuda', 'loopback'\]"),
+        (
+            {"runtime": "tpu"},
+            ValueError,
+            r"runtime must be one of \['auto', 'cuda', 'loopback', 'loopback-async'\]",
+        ),
         ({"planner": ""}, ValueError, "planner must be a planner name"),
     ],
 )
@@ -238,11 +254,13 @@ class Wide(torch.nn.Module):
 
 
 @pytest.mark.parametrize("fraction", [0.7, 0.5])
-def test_replays_stay_near_the_budget_with_the_default_planner(fraction: float) -> None:
+def test_replays_stay_near_the_budget_with_the_default_planner(
+    fraction: float, runtime_name: str
+) -> None:
     from swapopt_core._planning.simulate import simulate
 
     x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
-    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1 << 20, runtime="loopback"))
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1 << 20, runtime=runtime_name))
     model = Wide()
     with probe:
         model(x).backward()
@@ -250,7 +268,9 @@ def test_replays_stay_near_the_budget_with_the_default_planner(fraction: float) 
     budget_mb = fraction * natural / 2**20
     reference, offloaded = Wide(), Wide()
     session = OffloadSession(
-        OffloadConfig(max_resident_activation_mb=budget_mb, runtime="loopback", min_offload_kib=64)
+        OffloadConfig(
+            max_resident_activation_mb=budget_mb, runtime=runtime_name, min_offload_kib=64
+        )
     )
     for step in range(4):
         for m in (reference, offloaded):
@@ -267,12 +287,14 @@ def test_replays_stay_near_the_budget_with_the_default_planner(fraction: float) 
     assert session.stats().d2h_bytes > 0
 
 
-def test_a_step_with_fewer_ops_than_the_trace_keeps_the_plan_once(manager) -> None:
+def test_a_step_with_fewer_ops_than_the_trace_keeps_the_plan_once(
+    manager, runtime_name: str
+) -> None:
     model = Net()
     session = OffloadSession(
         OffloadConfig(
             max_resident_activation_mb=0.25,
-            runtime="loopback",
+            runtime=runtime_name,
             planner="every-gap",
             min_offload_kib=0,
         ),

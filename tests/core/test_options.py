@@ -247,7 +247,7 @@ def test_offload_config_from_text() -> None:
         ("max_resident_activation_mb", "-1", "a number of MiB >= 0"),
         ("max_offload_activation_mb", "none", "a number of MiB >= 0"),
         ("min_offload_kib", "lots", "a number of KiB >= 0"),
-        ("runtime", "tpu", "one of ['auto', 'cuda', 'loopback']"),
+        ("runtime", "tpu", "one of ['auto', 'cuda', 'loopback', 'loopback-async']"),
         ("planner", "", "a registered planner name"),
     ],
 )

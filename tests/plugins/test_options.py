@@ -38,7 +38,7 @@ BAD_VALUES = {
     "SWAPOPT_PACKED_SWAP": ("maybe", "'auto' or null for the runtime's default, or a boolean"),
     "SWAPOPT_RUNTIME": ("ascend", "one of the torch runtimes ['auto', 'cuda', 'loopback']"),
     "SWAPOPT_ACTIVATION_BUDGET_MB": ("lots", "a number of MiB >= 0, or 'none'"),
-    "SWAPOPT_ACTIVATION_RUNTIME": ("tpu", "one of ['auto', 'cuda', 'loopback']"),
+    "SWAPOPT_ACTIVATION_RUNTIME": ("tpu", "one of ['auto', 'cuda', 'loopback', 'loopback-async']"),
 }
 
 

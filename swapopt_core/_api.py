@@ -251,6 +251,10 @@ def offload_optimizer_state(optimizer: Any) -> int:
 def swap_stats(optimizer: Any) -> SwapStats:
     """Memory and traffic of a swapped optimizer.
 
+    Waits for the copies of the last step first, so that the host state (``optimizer.state``)
+    is final once this returns (but for batches an interrupted step kept on the device,
+    which ``resident_state_bytes`` counts): call it before reading swapped state directly.
+
     Raises:
         ValueError: ``optimizer`` is not swapped.
     """
@@ -260,4 +264,5 @@ def swap_stats(optimizer: Any) -> SwapStats:
             f"{type(optimizer).__name__} is not swapped; call swap_optimizer(optimizer) first "
             "(with runtime='auto' on CPU-only parameters nothing is installed)."
         )
+    engine.wait_copies()
     return engine.stats()

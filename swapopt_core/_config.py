@@ -31,9 +31,10 @@ class SwapOptimizerConfig:
 
     Args:
         swap_times: Number of byte-balanced batches the step is pipelined over. While batch
-            ``i`` is updated, batch ``i + 1`` is copied in and batch ``i - 1`` copied out, so
-            about ``2 / swap_times`` of the state is on the device at any moment. Clamped to
-            the number of parameters being stepped. Default: 16.
+            ``i`` is updated, batch ``i + 1`` is copied in and batch ``i - 1`` copied out (at
+            the same time, on runtimes with a copy queue per direction), so at most
+            ``3 / swap_times`` of the state is on the device at any moment. Clamped to the
+            number of parameters being stepped. Default: 16.
         state_keys: Names of the state entries to swap (for Adam/AdamW any of ``exp_avg``,
             ``exp_avg_sq``, ``max_exp_avg_sq``). ``None`` swaps every key the optimizer
             family declares. Keys the family does not own are rejected at install.
@@ -44,14 +45,22 @@ class SwapOptimizerConfig:
             that keep them (MindFormers AdamW). Families without master weights reject
             ``True``. Default: False.
         packed_swap: ``True`` keeps all swapped state in one exact-size host buffer per dtype
-            and moves each batch with one copy per dtype through two reusable device arenas;
+            and moves each batch with one copy per dtype through three reusable device arenas;
             ``False`` gives every state tensor its own host mirror and device storage.
             ``None`` takes the runtime's default (packed for torch runtimes). Default: None.
         runtime: Transfer runtime by name. ``"auto"`` picks the runtime registered for the
             device the states live on (CUDA for CUDA tensors; CPU-only states are not
             swapped). ``"loopback"`` treats CPU tensors as the device and a separate CPU
-            buffer as the host, so the whole engine runs without an accelerator. Plugins may
-            register more names. Default: "auto".
+            buffer as the host, so the whole engine runs without an accelerator, with
+            synchronous copies; ``"loopback-async"`` does the same with a worker thread per
+            copy direction, as CUDA streams would (paced by ``SWAPOPT_LOOPBACK_GBPS`` and
+            ``SWAPOPT_LOOPBACK_JITTER_US``). Plugins may register more names.
+            Default: "auto".
+        prefetch_during_backward: Start copying the first two batches of the next step's
+            state in at the first gradient of each backward (torch), so the step finds
+            them on the device. Costs ``2 / swap_times`` of the state in device memory from
+            then until the step; ``False`` keeps backward's peak as without it.
+            Default: True.
 
     Raises:
         TypeError: A field has the wrong type.
@@ -64,6 +73,7 @@ class SwapOptimizerConfig:
     include_master_params: bool = False
     packed_swap: bool | None = None
     runtime: str = "auto"
+    prefetch_during_backward: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.swap_times):
@@ -103,7 +113,7 @@ class SwapOptimizerConfig:
             if len(set(keys)) != len(keys):
                 raise ValueError(f"SwapOptimizerConfig.state_keys lists a key twice: {keys!r}.")
             object.__setattr__(self, "state_keys", keys)
-        for name in ("include_master_params",):
+        for name in ("include_master_params", "prefetch_during_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"SwapOptimizerConfig.{name} must be True or False, "
@@ -117,7 +127,7 @@ class SwapOptimizerConfig:
         if not isinstance(self.runtime, str) or not self.runtime.strip():
             raise ValueError(
                 f"SwapOptimizerConfig.runtime must be a runtime name, got {self.runtime!r}. "
-                "Use 'auto', 'cuda' or 'loopback' (plugins may add more)."
+                "Use 'auto', 'cuda', 'loopback' or 'loopback-async' (plugins may add more)."
             )
 
     @classmethod
@@ -193,6 +203,7 @@ def _swap_options(framework: str | None) -> dict[str, Option]:
             _parse_packed, f"'auto' or null for the runtime's default, or a boolean ({words})"
         ),
         "runtime": runtime,
+        "prefetch_during_backward": Option(parse_bool, f"a boolean ({words})"),
     }
 
 

@@ -70,6 +70,8 @@ class EngineBase(ABC):
         self.kept: list[Any] = []
         #: The last step was updated and counted, but an observer raised before all saw it.
         self.observers_owed = False
+        #: Ticket of the last step's last copy out: host state is final once it is done.
+        self.last_out: Any = None
 
     # ---- what each backend implements --------------------------------------------------
 
@@ -119,6 +121,21 @@ class EngineBase(ABC):
         """
         if self.kept:
             write_back(self.kept, self.staging, self.runtime)
+
+    def quiesce(self) -> None:
+        """Make host state final for a reader: write back kept batches, wait for the copies.
+
+        Raises:
+            BaseException: A kept batch could not be written back, or a copy failed.
+        """
+        self.settle()
+        self.wait_copies()
+
+    def wait_copies(self) -> None:
+        """Block until every queued copy finished (batches kept on the device stay there)."""
+        # The host copies are read (or rewritten) next: every copy into them must be done.
+        self.runtime.synchronize()
+        self.last_out = None
 
     def finish_step(self, h2d: int, d2h: int, batches: int, *, resumed: bool = False) -> None:
         """Count a completed step and tell the observers.

@@ -1,12 +1,20 @@
-"""The step as a pipeline: copy in batch i+1 and copy out batch i-1 while batch i updates.
+"""The step as a pipeline: batch i+1 comes in and batch i-1 goes out while batch i updates.
 
-Order of operations (queues: compute, copy)::
+Order of operations (queues: compute, copy in, copy out)::
 
-    stage+copy_in(0); stage+copy_in(1)
-    for i: wait(in i) -> update(i) -> copy_out(i) -> unstage(i) -> stage+copy_in(i+2)
+    stage+copy_in(0)
+    for i: stage+copy_in(i+1) -> unstage(i-1 after its copy out)
+           -> wait(in i) -> update(i) -> copy_out(i)
 
-Batch ``i + 2`` takes the device memory batch ``i`` gave back, in copy-queue order, so at
-most two batches are on the device at any moment.
+The two copy queues run at the same time (full duplex), so three batches have device
+memory at once: one going out, one updating, one coming in. Packed staging rotates three
+arenas; a batch's arena is written by its copy in only after the copy out of the batch
+that used it before (``StagedBatch.reuse_after``). Device memory is given back ordered
+after the copies that use it, never by blocking the host.
+
+The step ends once its copies are queued: no host sync. The caller keeps the last copy
+out's ticket (``Pipeline.last_out``): the next step's copies in wait for it (they read host
+memory it writes), and whoever reads host state waits for it on the host.
 
 A step is a transaction per batch. The engine's ``update`` either finishes or leaves its
 batch as it found it (it keeps an undo copy of what it changes in place). A batch whose
@@ -15,6 +23,10 @@ tried once more, and if that fails too, the batch's device storage is kept (``ke
 until ``write_back`` succeeds. A SIGINT that arrives during a step is delivered when the
 step ends (``deferred_interrupt``), so no asynchronous ``KeyboardInterrupt`` splits the
 bookkeeping; a second one is delivered at once.
+
+The first batches of a step can be staged and copied in before the step (``Pipeline.start``,
+during backward); the step then continues the same ``Pipeline`` if its batches are the
+ones predicted, and otherwise ``abandon``s it.
 """
 
 from __future__ import annotations
@@ -30,7 +42,14 @@ from swapopt_core._runtime import TransferRuntime
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Staging", "StagedBatch", "deferred_interrupt", "run_pipeline", "write_back"]
+__all__ = [
+    "Pipeline",
+    "StagedBatch",
+    "Staging",
+    "deferred_interrupt",
+    "run_pipeline",
+    "write_back",
+]
 
 
 class StagedBatch(Protocol):
@@ -38,6 +57,7 @@ class StagedBatch(Protocol):
 
     views: dict[Any, Any]  #: device view of each slot
     pairs: Sequence[tuple[Any, Any]]  #: (device, host) copies that move the batch
+    reuse_after: Any  #: ticket of the last copy that used this memory before, or None
 
     @property
     def copy_bytes(self) -> int: ...
@@ -49,7 +69,7 @@ class Staging(Protocol):
     def begin(self, batches: Sequence[Sequence[Any]]) -> None: ...
     def stage(self, index: int, slots: Sequence[Any]) -> StagedBatch: ...
     def keep(self, staged: Any) -> None: ...
-    def unstage(self, staged: Any) -> None: ...
+    def unstage(self, staged: Any, after: Any = None) -> None: ...
     def end(self) -> None: ...
 
 
@@ -100,12 +120,162 @@ def write_back(kept: list[Any], staging: Staging, runtime: TransferRuntime) -> N
     """
     while kept:
         batch = kept[0]
-        runtime.copy_out(batch.pairs)
+        ticket = runtime.copy_out(batch.pairs)
         # The host copy is the state from now on: it must have landed before the device
         # storage that holds the only other copy is given up.
-        runtime.synchronize()
+        runtime.host_wait(ticket)
         kept.pop(0)
         staging.unstage(batch)
+
+
+class Pipeline:
+    """One step's batches on their way through the device.
+
+    Args:
+        batches: The slots of each batch, in order.
+        staging: Allocates and frees each batch's device storage.
+        runtime: Queues the copies.
+        host_ready: Ticket of the last copy out of the previous step: the copies in read
+            host memory it writes, so they wait for it.
+    """
+
+    def __init__(
+        self,
+        batches: Sequence[Sequence[Hashable]],
+        staging: Staging,
+        runtime: TransferRuntime,
+        host_ready: Any = None,
+    ) -> None:
+        self.batches = [list(batch) for batch in batches]
+        self.staging = staging
+        self.runtime = runtime
+        self.host_ready = host_ready
+        n = len(self.batches)
+        self.staged: list[StagedBatch | None] = [None] * n
+        self.tickets: list[Any] = [None] * n  # copy in, then copy out, of each batch
+        self.began = False
+        self.h2d = self.d2h = 0
+        self.last_out: Any = None
+
+    def matches(self, batches: Sequence[Sequence[Hashable]]) -> bool:
+        """Whether ``batches`` are the ones this pipeline was built for (same objects)."""
+        return len(batches) == len(self.batches) and all(
+            len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+            for a, b in zip(batches, self.batches, strict=True)
+        )
+
+    def start(self, ahead: int) -> None:
+        """Stage the first ``ahead`` batches and queue their copies in.
+
+        Raises:
+            BaseException: Whatever was raised; nothing is left on the device.
+        """
+        try:
+            self._begin()
+            for j in range(min(ahead, len(self.batches))):
+                self._fetch(j)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """Give back everything staged, ordered after the copies in still writing it."""
+        for j, batch in enumerate(self.staged):
+            if batch is not None:
+                self.staged[j] = None
+                _quietly(
+                    lambda b=batch, t=self.tickets[j]: self.staging.unstage(b, t),
+                    "releasing a prefetched batch",
+                )
+        if self.began:
+            self.began = False
+            _quietly(self.staging.end, "releasing the staging")
+
+    def _begin(self) -> None:
+        if not self.began:
+            self.staging.begin(self.batches)
+            self.began = True
+
+    def _fetch(self, j: int) -> None:
+        if self.staged[j] is not None:
+            return
+        self.staged[j] = batch = self.staging.stage(j, self.batches[j])
+        # Written only after the copy that used this memory before, and after the host
+        # memory it reads was written by the previous step.
+        self.tickets[j] = self.runtime.copy_in(batch.pairs, (batch.reuse_after, self.host_ready))
+        self.h2d += batch.copy_bytes
+
+    def _leave(self, j: int) -> None:
+        batch = self.staged[j]
+        if batch is not None:
+            self.staged[j] = None
+            self.staging.unstage(batch, self.tickets[j])
+
+    def run(self, update: Callable[[int, dict[Any, Any]], None], kept: list[Any]) -> None:
+        """Run ``update`` over every batch with its state on the device.
+
+        Args:
+            update: ``update(i, views)`` updates batch ``i`` given a device view per slot;
+                if it raises, it must have left the batch (parameters and state) as it
+                found it.
+            kept: Receives the batches that were updated but could not be copied back.
+
+        The caller holds SIGINT over the whole step (``deferred_interrupt``), so a
+        ``KeyboardInterrupt`` only comes from code that raises it.
+
+        Raises:
+            BaseException: Whatever was raised, once every batch that was updated is in
+                host memory or in ``kept``, every queued copy has finished and all other
+                device storage was released.
+        """
+        n = len(self.batches)
+        unwritten: int | None = None  # updated, copy out not queued yet
+        try:
+            self._begin()
+            if n:
+                self._fetch(0)
+            for i in range(n):
+                if i + 1 < n:
+                    self._fetch(i + 1)
+                if i:
+                    self._leave(i - 1)
+                batch = self.staged[i]
+                assert batch is not None
+                self.runtime.wait(self.tickets[i])
+                update(i, batch.views)
+                unwritten = i
+                self.tickets[i] = self.last_out = self.runtime.copy_out(batch.pairs)
+                unwritten = None
+                self.d2h += batch.copy_bytes
+            if n:
+                self._leave(n - 1)
+        except BaseException:
+            self._recover(unwritten, kept)
+            _quietly(self.staging.end, "releasing the staging")
+            self.began = False
+            logger.debug("swap pipeline interrupted with %d of %d batches kept", len(kept), n)
+            raise
+        self.began = False
+        self.staging.end()
+
+    def _recover(self, unwritten: int | None, kept: list[Any]) -> None:
+        """After a failure: write back or keep the updated batch, then drain and free the rest."""
+        if unwritten is not None:
+            batch = self.staged[unwritten]
+            self.staged[unwritten] = None
+            self.staging.keep(batch)
+            kept.append(batch)
+            _quietly(
+                lambda: write_back(kept, self.staging, self.runtime),
+                "writing back an updated batch",
+            )
+        # Nothing may still be reading device storage released below.
+        _quietly(self.runtime.synchronize, "draining the copy queues")
+        self.last_out = None
+        for index, leftover in enumerate(self.staged):
+            if leftover is not None:
+                self.staged[index] = None
+                _quietly(lambda b=leftover: self.staging.unstage(b), "releasing a staged batch")
 
 
 def run_pipeline(
@@ -115,89 +285,14 @@ def run_pipeline(
     update: Callable[[int, dict[Any, Any]], None],
     kept: list[Any],
 ) -> tuple[int, int]:
-    """Run ``update`` over every batch with its state on the device.
-
-    Args:
-        batches: The slots of each batch, in order.
-        staging: Allocates and frees each batch's device storage.
-        runtime: Queues the copies.
-        update: ``update(i, views)`` updates batch ``i`` given a device view per slot; if it
-            raises, it must have left the batch (parameters and state) as it found it.
-        kept: Receives the batches that were updated but could not be copied back.
-
-    The caller holds SIGINT over the whole step (``deferred_interrupt``), so a
-    ``KeyboardInterrupt`` only comes from code that raises it.
+    """Run one step's pipeline from start to end (see ``Pipeline.run``).
 
     Returns:
         Bytes copied host to device and device to host.
-
-    Raises:
-        BaseException: Whatever was raised, once every batch that was updated is in host
-            memory or in ``kept``, every queued copy has finished and all other device
-            storage was released.
     """
-    n = len(batches)
-    staged: list[StagedBatch | None] = [None] * n
-    tickets: list[object] = [None] * n
-    h2d = d2h = 0
-    unwritten: int | None = None  # updated, copy out not queued yet
-
-    def prefetch(j: int) -> None:
-        nonlocal h2d
-        staged[j] = batch = staging.stage(j, batches[j])
-        tickets[j] = runtime.copy_in(batch.pairs)
-        h2d += batch.copy_bytes
-
-    try:
-        staging.begin(batches)
-        for j in range(min(2, n)):
-            prefetch(j)
-        for i in range(n):
-            batch = staged[i]
-            assert batch is not None
-            runtime.wait(tickets[i])
-            update(i, batch.views)
-            unwritten = i
-            runtime.copy_out(batch.pairs)
-            unwritten = None
-            d2h += batch.copy_bytes
-            staged[i] = None
-            staging.unstage(batch)
-            if i + 2 < n:
-                prefetch(i + 2)
-    except BaseException:
-        _recover(staged, unwritten, staging, runtime, kept)
-        _quietly(staging.end, "releasing the staging")
-        logger.debug("swap pipeline interrupted with %d of %d batches kept", len(kept), n)
-        raise
-    try:
-        staging.end()
-    finally:
-        # The host copies are the optimizer's public state: they must be final on return.
-        runtime.synchronize()
-    return h2d, d2h
-
-
-def _recover(
-    staged: list[Any],
-    unwritten: int | None,
-    staging: Staging,
-    runtime: TransferRuntime,
-    kept: list[Any],
-) -> None:
-    """After a failure: write back or keep the updated batch, then drain and free the rest."""
-    if unwritten is not None:
-        batch = staged[unwritten]
-        staged[unwritten] = None
-        staging.keep(batch)
-        kept.append(batch)
-        _quietly(lambda: write_back(kept, staging, runtime), "writing back an updated batch")
-    # Nothing may still be reading device storage released below.
-    _quietly(runtime.synchronize, "draining the copy queue")
-    for index, leftover in enumerate(staged):
-        if leftover is not None:
-            staged[index] = None
-            _quietly(lambda b=leftover: staging.unstage(b), "releasing a staged batch")
+    pipeline = Pipeline(batches, staging, runtime)
+    pipeline.run(update, kept)
+    return pipeline.h2d, pipeline.d2h
 
 
 def _quietly(action: Callable[[], None], what: str) -> None:

@@ -18,10 +18,13 @@ CopyPair = tuple[torch.Tensor, torch.Tensor]
 class TransferRuntime(ABC):
     """Moves optimizer state between host memory and one kind of device.
 
-    The engine calls these operations in a fixed order (see ``swapopt_core._pipeline``):
-    device storage is allocated and released in the order of the copy queue, copies in and
-    out return tickets, and the compute queue waits on a ticket before it touches the data.
-    A runtime may run everything synchronously (tickets are then ``None``).
+    The model is a device with a compute queue and one copy queue per direction (see
+    ``swapopt_core._pipeline`` for the order the engine uses). Copies return tickets (a
+    recorded event): the compute queue waits on a ticket before it touches what the copy
+    wrote (``wait``), the host before it reads or rewrites host memory (``host_wait``), a
+    copy queue before it writes memory another copy still uses (``copy_in(after=...)``),
+    and the allocator before it hands out memory a copy still uses
+    (``release_device(after=...)``). A synchronous runtime returns ``None`` tickets.
 
     Attributes:
         pinned_bytes: Host bytes this runtime holds page-locked (or, for runtimes without
@@ -63,12 +66,23 @@ class TransferRuntime(ABC):
         """A 1-D uninitialised device tensor, allocated in copy-queue order."""
 
     @abstractmethod
-    def release_device(self, tensor: torch.Tensor) -> None:
-        """Free ``tensor``'s device storage now; views of it become empty."""
+    def release_device(self, tensor: torch.Tensor, after: Sequence[Any] = ()) -> None:
+        """Give ``tensor``'s device storage back; views of it become empty.
+
+        Args:
+            tensor: A tensor from ``alloc_device``.
+            after: Tickets of copies still using the storage: the memory is reused only
+                once they finished (stream-ordered), without blocking the host.
+        """
 
     @abstractmethod
-    def copy_in(self, pairs: Sequence[CopyPair]) -> Any:
-        """Queue host-to-device copies; return a ticket for ``wait``."""
+    def copy_in(self, pairs: Sequence[CopyPair], after: Sequence[Any] = ()) -> Any:
+        """Queue host-to-device copies; return a ticket for ``wait``.
+
+        The copies start after the compute work queued so far (the device memory may have
+        just been given back by it) and after the copies of the ``after`` tickets (which
+        still use the memory, or write the host memory read here).
+        """
 
     @abstractmethod
     def copy_out(self, pairs: Sequence[CopyPair]) -> Any:
@@ -77,6 +91,11 @@ class TransferRuntime(ABC):
     @abstractmethod
     def wait(self, ticket: Any) -> None:
         """Make the compute queue wait for ``ticket`` (without blocking the host if possible)."""
+
+    def host_wait(self, ticket: Any) -> None:
+        """Block the host until the copies of ``ticket`` finished (all copies if unsure)."""
+        if ticket is not None:
+            self.synchronize()
 
     @abstractmethod
     def synchronize(self) -> None:

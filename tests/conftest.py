@@ -3,16 +3,17 @@ bitwise comparison of two optimizers."""
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from torch import nn
 
-from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats
+from swapopt_core import SwapOptimizerConfig, is_swap_optimizer, swap_optimizer, swap_stats
 
 # MindFormers writes its logs under ./output at import; keep them out of the checkout.
 os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="swapopt-mindformers-"))
@@ -142,7 +143,13 @@ def assert_same(
     model_a: nn.Module,
     model_b: nn.Module,
 ) -> None:
-    """Parameters, hyperparameters and every state entry are equal, bit for bit."""
+    """Parameters, hyperparameters and every state entry are equal, bit for bit.
+
+    A swapped optimizer's host state is read once ``swap_stats`` waited for its copies.
+    """
+    for opt in (opt_a, opt_b):
+        if is_swap_optimizer(opt):
+            swap_stats(opt)
     params_a = dict(model_a.named_parameters())
     params_b = dict(model_b.named_parameters())
     assert params_a.keys() == params_b.keys()
@@ -164,8 +171,30 @@ def assert_same(
                 _same_value(sa[key], sb[key], f"state of {where}[{key!r}]")
 
 
+#: The runtime ``loopback()`` configs name; the ``swap_runtime`` fixture switches it.
+_RUNTIME: contextvars.ContextVar[str] = contextvars.ContextVar("runtime", default="loopback")
+
+#: Jitter (microseconds) for suites run on ``loopback-async``: shakes out missing waits.
+ASYNC_JITTER_US = "300"
+
+
 def loopback(**kwargs) -> SwapOptimizerConfig:
-    return SwapOptimizerConfig(runtime="loopback", **kwargs)
+    """A config on the CPU runtime of the test (``loopback`` unless ``swap_runtime`` says)."""
+    return SwapOptimizerConfig(runtime=_RUNTIME.get(), **kwargs)
+
+
+@pytest.fixture(params=["loopback", "loopback-async"])
+def swap_runtime(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run a test on the synchronous loopback and on ``loopback-async`` with jitter.
+
+    Use it as ``pytestmark = pytest.mark.usefixtures("swap_runtime")``: every ``loopback()``
+    config of the test then names that runtime.
+    """
+    if request.param == "loopback-async":
+        monkeypatch.setenv("SWAPOPT_LOOPBACK_JITTER_US", ASYNC_JITTER_US)
+    token = _RUNTIME.set(request.param)
+    yield request.param
+    _RUNTIME.reset(token)
 
 
 def twin(model: nn.Module) -> nn.Module:

@@ -49,7 +49,7 @@ class MindSporeRuntime(TransferRuntime):
 
         return Tensor.from_numpy(buffer[offset : offset + numel].reshape(shape))
 
-    def release_device(self, tensor: Any) -> None:
+    def release_device(self, tensor: Any, after: Sequence[Any] = ()) -> None:
         """Nothing to do: device memory is returned when its last view is dropped."""
 
     def to_device(self, host: Any, device: str) -> Any:
@@ -76,7 +76,7 @@ class MindSporeLoopbackRuntime(MindSporeRuntime):
     # Copies are plain memcpy through numpy views of the same memory: MindSpore's CPU
     # ``Tensor.copy_`` runs elementwise and costs about 150x a memcpy (4 MB: 16 ms).
 
-    def copy_in(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
+    def copy_in(self, pairs: Sequence[tuple[Any, Any]], after: Sequence[Any] = ()) -> Any:
         import numpy
 
         self.synchronize()  # the packed layout may still be writing the host buffer
@@ -193,14 +193,14 @@ class MindSporeAscendRuntime(MindSporeRuntime):
         done.record(self.stream)
         return done
 
-    def copy_in(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
+    def copy_in(self, pairs: Sequence[tuple[Any, Any]], after: Sequence[Any] = ()) -> Any:
         return self._on_stream(pairs, inward=True)
 
     def copy_out(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
         self._last_out = self._on_stream(pairs, inward=False)
         return self._last_out
 
-    def release_device(self, tensor: Any) -> None:
+    def release_device(self, tensor: Any, after: Sequence[Any] = ()) -> None:
         """Drop ``tensor`` once the copies out queued so far have finished reading it.
 
         MindSpore's pool may hand memory freed here to compute at once, without knowing

@@ -67,6 +67,7 @@ class Staged:
     pairs: list[tuple[Any, Any]] = field(default_factory=list)
     owned: list[tuple[Any, int]] = field(default_factory=list)
     copy_bytes: int = 0
+    reuse_after: Any = None  #: every batch has buffers of its own: nothing to wait for
 
 
 class StagingBase:
@@ -79,9 +80,11 @@ class StagingBase:
     def keep(self, staged: Staged) -> None:
         """Nothing to hand over: each batch owns its device buffers until ``unstage``."""
 
-    def unstage(self, staged: Staged) -> None:
-        """Release ``staged``'s buffers; each leaves the books before the runtime frees it,
-        so a failing release is reported once (the first error, after trying them all)."""
+    def unstage(self, staged: Staged, after: Any = None) -> None:
+        """Release ``staged``'s buffers, ordered after the copies of ticket ``after``.
+
+        Each leaves the books before the runtime frees it, so a failing release is reported
+        once (the first error, after trying them all)."""
         error: BaseException | None = None
         staged.views.clear()
         staged.pairs.clear()
@@ -89,7 +92,7 @@ class StagingBase:
             flat, nbytes = staged.owned.pop(0)
             self.ledger.sub(nbytes)
             try:
-                self.runtime.release_device(flat)
+                self.runtime.release_device(flat, (after,))
             except BaseException as exc:  # keep releasing; report the first failure
                 error = error or exc
         if error is not None:

@@ -66,16 +66,18 @@ class CheckpointHooks:
     # ---- the hooks -----------------------------------------------------------------------
 
     def before_state_dict(self, opt: torch.optim.Optimizer) -> None:
-        self.engine.settle()  # state an interrupted step kept on the device
-        # state_dict() hands out the host tensors: no copy may still be writing them.
-        self.engine.runtime.synchronize()
+        # state_dict() hands out the host tensors: kept batches written back, no copy
+        # still writing them.
+        self.engine.quiesce()
 
     def before_load(self, opt: torch.optim.Optimizer, state_dict: dict) -> dict:
         """Keep swapped entries away from torch's loader, which would put them on the device."""
         engine = self.engine
-        engine.settle()  # a kept batch must not land on top of the loaded values later
-        # The loaded values replace the host tensors: no copy may still be writing them.
-        engine.runtime.synchronize()
+        # The loaded values replace the host tensors: a prefetch of the old values is
+        # given back, a kept batch must not land on top of them later, and no copy may
+        # still be writing them.
+        engine.prefetch.drop()
+        engine.quiesce()
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         stripped = dict(saved_state)

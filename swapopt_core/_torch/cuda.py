@@ -1,14 +1,19 @@
-"""The CUDA runtime: one copy stream per device, events, host memory pinned at exact size.
+"""The CUDA runtime: one copy stream per direction and device, events, exact-size pinned host.
 
-Device storage for swapped state is allocated and freed on the copy stream. The copy
-stream waits for the compute stream before every copy out, so a block freed after a copy
-out is only reused by copy-stream work queued after that copy, which needs no host sync.
+Device storage for swapped state is allocated on the compute stream, so a batch's memory
+goes back to the pool forward and backward draw from. Each copy stream first waits for the
+compute work queued so far (that work wrote the batch, or just gave the memory back), and a
+release passes the copy streams still using the memory to the allocator
+(``record_stream``), which reuses it only after those copies finished: no host sync and no
+compute wait. Copies in and out run on separate streams, so batch i+1 comes in while
+batch i-1 goes out (full duplex).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -17,7 +22,8 @@ from swapopt_core._torch.pinned import alloc_pinned
 
 logger = logging.getLogger(__name__)
 
-_Ticket = list[tuple[torch.device, "torch.cuda.Event"]]
+#: One recorded event per device the copies touched, with the stream it was recorded on.
+_Ticket = list[tuple["torch.cuda.Stream", "torch.cuda.Event"]]
 
 
 class CudaRuntime(TransferRuntime):
@@ -28,16 +34,16 @@ class CudaRuntime(TransferRuntime):
 
     def __init__(self) -> None:
         super().__init__()
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._register_failed = False
 
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cuda"
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        stream = self._streams.get(device)
+    def _stream(self, device: torch.device, direction: str) -> torch.cuda.Stream:
+        stream = self._streams.get((device, direction))
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream = self._streams[(device, direction)] = torch.cuda.Stream(device=device)
         return stream
 
     def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -56,11 +62,16 @@ class CudaRuntime(TransferRuntime):
         return host
 
     def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # Allocated on the copy stream, so its reuse is ordered after earlier copy-outs.
-        with torch.cuda.stream(self._stream(device)):
-            return torch.empty(numel, dtype=dtype, device=device)
+        # On the compute stream: freed blocks return to the pool forward and backward use.
+        return torch.empty(numel, dtype=dtype, device=device)
 
-    def release_device(self, tensor: torch.Tensor) -> None:
+    def release_device(self, tensor: torch.Tensor, after: Sequence[Any] = ()) -> None:
+        for ticket in after:
+            for stream, _event in ticket or ():
+                if stream.device == tensor.device:
+                    # The allocator reuses the block only once this stream's queued copies
+                    # (which still read or write it) finished.
+                    tensor.record_stream(stream)
         tensor.untyped_storage().resize_(0)
 
     def _by_device(self, pairs: Sequence[CopyPair]) -> dict[torch.device, list[CopyPair]]:
@@ -69,34 +80,46 @@ class CudaRuntime(TransferRuntime):
             grouped.setdefault(pair[0].device, []).append(pair)
         return grouped
 
-    def copy_in(self, pairs: Sequence[CopyPair]) -> _Ticket:
+    def copy_in(self, pairs: Sequence[CopyPair], after: Sequence[Any] = ()) -> _Ticket:
         ticket: _Ticket = []
         for device, group in self._by_device(pairs).items():
-            stream = self._stream(device)
+            stream = self._stream(device, "h2d")
+            # The memory may have been given back by compute work queued just before.
+            stream.wait_stream(torch.cuda.current_stream(device))
+            for other in after:
+                for _stream, event in other or ():
+                    # A copy still using this memory, or writing the host memory read here.
+                    stream.wait_event(event)
             with torch.cuda.stream(stream):
                 for device_tensor, host_tensor in group:
                     # Async from pinned memory; the compute stream waits on the ticket.
                     device_tensor.copy_(host_tensor, non_blocking=True)
                 # Marks the point the compute stream must reach before reading this batch.
-                ticket.append((device, stream.record_event()))
+                ticket.append((stream, stream.record_event()))
         return ticket
 
     def copy_out(self, pairs: Sequence[CopyPair]) -> _Ticket:
         ticket: _Ticket = []
         for device, group in self._by_device(pairs).items():
-            stream = self._stream(device)
+            stream = self._stream(device, "d2h")
             # The copy out must read the batch only after the update queued on compute.
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for device_tensor, host_tensor in group:
                     host_tensor.copy_(device_tensor, non_blocking=True)
-                ticket.append((device, stream.record_event()))
+                # Marks the point after which the host copy is final and the memory free.
+                ticket.append((stream, stream.record_event()))
         return ticket
 
-    def wait(self, ticket: _Ticket) -> None:
-        for device, event in ticket:
+    def wait(self, ticket: _Ticket | None) -> None:
+        for stream, event in ticket or ():
             # Compute reads the batch only once its copy in has landed; no host block.
-            torch.cuda.current_stream(device).wait_event(event)
+            torch.cuda.current_stream(stream.device).wait_event(event)
+
+    def host_wait(self, ticket: _Ticket | None) -> None:
+        for _stream, event in ticket or ():
+            # The host reads or rewrites the host memory this copy writes or reads.
+            event.synchronize()
 
     def synchronize(self) -> None:
         for stream in self._streams.values():

@@ -17,10 +17,11 @@ import torch
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
 from swapopt_core._partition import partition
-from swapopt_core._pipeline import deferred_interrupt, run_pipeline
+from swapopt_core._pipeline import Pipeline, deferred_interrupt
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.checkpoint import CheckpointHooks
+from swapopt_core._torch.prefetch import BackwardPrefetch
 from swapopt_core._torch.staging import PackedStaging, PerTensorStaging
 from swapopt_core._torch.state import Slot, local_tensor, wrap_like
 from swapopt_core._torch.transaction import UndoArena, check_grads, check_params, snapshot
@@ -70,6 +71,7 @@ class SwapEngine(EngineBase):
         super().__init__(optimizer, config, adapter, runtime, plugin_manager)
         self._handles: list[Any] = []
         self.checkpoint = CheckpointHooks(self)
+        self.prefetch = BackwardPrefetch(self)
         # Units finished by a step that was then interrupted, with the grad they used.
         self._finished: dict[int, tuple[torch.Tensor, int]] = {}
         self._unsilence: Callable[[], None] | None = None
@@ -106,10 +108,12 @@ class SwapEngine(EngineBase):
         # Before post-hooks the user registered earlier: they expect an updated model.
         opt._optimizer_step_post_hooks.move_to_end(step_post.id, last=False)
         self._handles = [step_post, *self.checkpoint.attach()]
+        self.prefetch.watch([p for group in opt.param_groups for p in group["params"]])
         setattr(opt, ENGINE_ATTR, self)
 
     def uninstall(self) -> None:
         """Move every swapped state back to its device and remove the hooks."""
+        self.prefetch.detach()
         self._restore_state()
         for handle in self._handles:
             handle.remove()
@@ -121,9 +125,7 @@ class SwapEngine(EngineBase):
         delattr(self.optimizer, ENGINE_ATTR)
 
     def _restore_state(self) -> None:
-        self.settle()
-        # The host tensors are read below: every copy into them must have landed.
-        self.runtime.synchronize()
+        self.quiesce()  # the host tensors are read below
         for slot in self.slots.values():
             local = torch.empty_like(slot.host, device=slot.device)
             local.copy_(slot.host)
@@ -210,6 +212,7 @@ class SwapEngine(EngineBase):
     def offload(self) -> int:
         """Take swappable entries that are not our host tensors into host memory now."""
         opt = self.optimizer
+        self.prefetch.drop()  # the layout may change below
         self.settle()
         ours = {id(slot.value) for slot in self.slots.values()}  # alive: ids are unique
         moved = 0
@@ -256,8 +259,12 @@ class SwapEngine(EngineBase):
                 ordered.extend(slots)
                 if grad is not None:
                     units.append(_Unit(index, param, grad, slots))
-        for stale in self.slots.keys() - live:
-            del self.slots[stale]
+        stale = self.slots.keys() - live
+        if stale:
+            # Their host memory is freed below: no copy of the last step may still use it.
+            self.runtime.synchronize()
+        for key in stale:
+            del self.slots[key]
         if isinstance(self.staging, PackedStaging):
             self.staging.layout(ordered, self._publish)
         return units
@@ -301,6 +308,7 @@ class SwapEngine(EngineBase):
         self.adapter.validate(opt)
         check_params(self.optimizer.param_groups)
         check_grads(opt.param_groups, self.adapter.family)
+        self.prefetch.watch([p for group in opt.param_groups for p in group["params"]])
         with torch.no_grad():
             units = self.sync_state(stepping=True)
             remaining = [u for u in units if not self._already_done(u)]
@@ -326,17 +334,20 @@ class SwapEngine(EngineBase):
                 for unit in batches[i]:
                     done[id(unit.param)] = (unit.grad, unit.grad._version)
 
+            plan = [[s for u in b for s in u.slots] for b in batches]
+            pipeline = self.prefetch.take(plan) or Pipeline(
+                plan, self.staging, self.runtime, self.last_out
+            )
             try:
-                h2d, d2h = run_pipeline(
-                    [[s for u in b for s in u.slots] for b in batches],
-                    self.staging,
-                    self.runtime,
-                    update,
-                    self.kept,
-                )
+                pipeline.run(update, self.kept)
             except BaseException:
                 self._finished.update(done)
+                self.last_out = None  # drained by the pipeline's recovery
                 raise
+            h2d, d2h = pipeline.h2d, pipeline.d2h
+            # The step ends with its copies queued; the next one's copies in wait for these.
+            self.last_out = pipeline.last_out or self.last_out
+            self.prefetch.remember(plan)
         # Until the observers have seen the step, a call with the same gradients only
         # tells them again.
         self._finished.update(done)

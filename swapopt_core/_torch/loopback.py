@@ -7,6 +7,7 @@ copied), only synchronously. This is how the engine is exercised without an acce
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -30,10 +31,10 @@ class LoopbackRuntime(TransferRuntime):
     def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=device)
 
-    def release_device(self, tensor: torch.Tensor) -> None:
+    def release_device(self, tensor: torch.Tensor, after: Sequence[Any] = ()) -> None:
         tensor.untyped_storage().resize_(0)
 
-    def copy_in(self, pairs: Sequence[CopyPair]) -> None:
+    def copy_in(self, pairs: Sequence[CopyPair], after: Sequence[Any] = ()) -> None:
         for device_tensor, host_tensor in pairs:
             device_tensor.copy_(host_tensor)
 

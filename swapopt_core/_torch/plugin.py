@@ -12,12 +12,13 @@ from swapopt_core._torch.adam import TorchAdamAdapter
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.cuda import CudaRuntime
 from swapopt_core._torch.loopback import LoopbackRuntime
+from swapopt_core._torch.loopback_async import LoopbackAsyncRuntime
 from swapopt_core.hookspecs import hookimpl
 
 
 @hookimpl
 def swapopt_register_runtimes() -> Iterable[type[TransferRuntime]]:
-    return [LoopbackRuntime, CudaRuntime]
+    return [LoopbackRuntime, LoopbackAsyncRuntime, CudaRuntime]
 
 
 @hookimpl

@@ -1,15 +1,17 @@
 """Where a batch of swapped state lives on the device during a step.
 
 ``PerTensorStaging`` gives every state tensor its own device storage, allocated before its
-copy in and released right after its copy out. ``PackedStaging`` keeps all swapped state of
-one dtype in one exact-size host buffer and moves a batch with one copy per dtype into one
-of two device arenas that alternate between batches.
+copy in and released (ordered after its copy out) once the batch leaves. ``PackedStaging``
+keeps all swapped state of one dtype in one exact-size host buffer and moves a batch with
+one copy per dtype into one of three device arenas that take turns: one batch comes in,
+one updates and one goes out at the same time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,6 +22,7 @@ from swapopt_core._torch.state import Slot, wrap_like
 __all__ = ["PackedStaging", "PerTensorStaging", "Staged", "release_all"]
 
 _ALIGN = 512  # bytes; every dtype section of an arena starts on this boundary
+ARENAS = 3  # one batch coming in, one updating, one going out
 
 
 def _carve(buffer: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
@@ -41,15 +44,23 @@ class Staged:
     views: dict[Slot, torch.Tensor] = field(default_factory=dict)
     pairs: list[CopyPair] = field(default_factory=list)
     owned: list[torch.Tensor] = field(default_factory=list)
-    arena: int | None = None  #: packed: which of the two arenas holds the batch
+    arena: int | None = None  #: packed: which of the arenas holds the batch
+    reuse_after: Any = None  #: ticket of the last copy that used the arena before
 
     @property
     def copy_bytes(self) -> int:
         return sum(d.numel() * d.element_size() for d, _ in self.pairs)
 
 
-def release_all(owned: list[torch.Tensor], runtime: TransferRuntime, ledger: DeviceLedger) -> None:
+def release_all(
+    owned: list[torch.Tensor],
+    runtime: TransferRuntime,
+    ledger: DeviceLedger,
+    after: Any = None,
+) -> None:
     """Give back every tensor in ``owned`` (emptying it), even when a release raises.
+
+    The memory is reused only after the copies of ticket ``after`` (stream-ordered).
 
     Each tensor leaves ``owned`` and the ledger before the runtime is asked to free it; if
     the runtime fails, dropping the last reference frees it anyway. The first error is
@@ -60,7 +71,7 @@ def release_all(owned: list[torch.Tensor], runtime: TransferRuntime, ledger: Dev
         flat = owned.pop(0)
         ledger.sub(flat.numel() * flat.element_size())
         try:
-            runtime.release_device(flat)
+            runtime.release_device(flat, (after,))
         except BaseException as exc:  # keep releasing; report the first failure
             error = error or exc
     if error is not None:
@@ -97,8 +108,8 @@ class PerTensorStaging:
     def keep(self, staged: Staged) -> None:
         return None  # each batch owns its storage already
 
-    def unstage(self, staged: Staged) -> None:
-        release_all(staged.owned, self.runtime, self.ledger)
+    def unstage(self, staged: Staged, after: Any = None) -> None:
+        release_all(staged.owned, self.runtime, self.ledger, after)
 
     def end(self) -> None:
         return None
@@ -116,7 +127,9 @@ class PackedStaging:
         self._signature: tuple[int, ...] = ()
         self._sections: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> (byte offset, bytes)
         self._regions: list[dict[torch.dtype, tuple[int, int]]] = []  # per batch: lo, hi
-        self._arenas: list[torch.Tensor] = []
+        self._arenas: list[torch.Tensor | None] = []
+        self._arena_bytes = 0
+        self._last: list[Any] = []  # per arena: ticket of the last copy that used it
         self._device: torch.device | None = None
         self._kept: set[int] = set()  # arenas handed over to batches kept by a failure
 
@@ -131,6 +144,9 @@ class PackedStaging:
         plan = plan_layout(slots, self._signature, lambda s: (s.host.dtype, s.host.numel()))
         if plan is None:
             return False
+        # The old buffers are read below: the last step's copies out may still be writing
+        # them, and a prefetch reading them.
+        self.runtime.synchronize()
         signature, totals = plan
         buffers = {dtype: self.runtime.alloc_host(n, dtype) for dtype, n in totals.items()}
         cursor = dict.fromkeys(totals, 0)
@@ -167,10 +183,20 @@ class PackedStaging:
         for dtype in sorted(widest, key=str):
             self._sections[dtype] = (offset, widest[dtype])
             offset += -(-widest[dtype] // _ALIGN) * _ALIGN
-        if offset and self._device is not None:
-            for _ in range(min(2, len(batches))):
-                self._arenas.append(self.runtime.alloc_device(offset, torch.uint8, self._device))
-                self.ledger.add(offset)
+        self._arena_bytes = offset
+        count = min(ARENAS, len(batches)) if offset and self._device is not None else 0
+        self._arenas = [None] * count  # each allocated when its first batch is staged
+        self._last = [None] * count
+
+    def _arena(self, k: int) -> torch.Tensor:
+        arena = self._arenas[k]
+        if arena is None:
+            assert self._device is not None
+            arena = self._arenas[k] = self.runtime.alloc_device(
+                self._arena_bytes, torch.uint8, self._device
+            )
+            self.ledger.add(self._arena_bytes)
+        return arena
 
     def stage(self, index: int, slots: Sequence[Slot]) -> Staged:
         staged = Staged()
@@ -181,26 +207,45 @@ class PackedStaging:
                         staged.views[slot] = torch.empty_like(slot.host, device=self._device)
                 continue
             start, nbytes = self._sections[dtype]
-            section = self._arenas[index % 2].narrow(0, start, nbytes).view(dtype)
+            section = self._arena(index % ARENAS).narrow(0, start, nbytes).view(dtype)
             region = self.buffers[dtype].narrow(0, lo, hi - lo)
             staged.pairs.append((section.narrow(0, 0, hi - lo), region))
             for slot in slots:
                 if slot.host.dtype == dtype:
                     view = section.narrow(0, slot.offset - lo, slot.host.numel())
                     staged.views[slot] = view.view(slot.host.shape)
-        staged.arena = index % 2
+        if staged.pairs:
+            staged.arena = index % ARENAS
+            staged.reuse_after = self._last[staged.arena]
         return staged
 
     def keep(self, staged: Staged) -> None:
         """Hand ``staged``'s arena over to it, so ``end`` leaves it for ``unstage``."""
         if staged.arena is not None and staged.arena < len(self._arenas):
-            self._kept.add(staged.arena)
-            staged.owned.append(self._arenas[staged.arena])
+            arena = self._arenas[staged.arena]
+            if arena is not None:
+                self._kept.add(staged.arena)
+                staged.owned.append(arena)
+        staged.arena = None  # no longer one of the ring's: it leaves with the batch
 
-    def unstage(self, staged: Staged) -> None:
-        release_all(staged.owned, self.runtime, self.ledger)  # a kept arena, if any
+    def unstage(self, staged: Staged, after: Any = None) -> None:
+        """The batch left its arena; the next batch there writes it only after ``after``."""
+        if staged.arena is not None and staged.arena not in self._kept:
+            self._last[staged.arena] = after
+        release_all(staged.owned, self.runtime, self.ledger, after)  # a kept arena, if any
 
     def end(self) -> None:
-        arenas = [a for k, a in enumerate(self._arenas) if k not in self._kept]
-        self._arenas, self._regions, self._kept = [], [], set()
-        release_all(arenas, self.runtime, self.ledger)
+        arenas = [
+            (a, self._last[k])
+            for k, a in enumerate(self._arenas)
+            if k not in self._kept and a is not None
+        ]
+        self._arenas, self._regions, self._kept, self._last = [], [], set(), []
+        error: BaseException | None = None
+        for arena, last in arenas:
+            try:
+                release_all([arena], self.runtime, self.ledger, last)
+            except BaseException as exc:  # keep releasing; report the first failure
+                error = error or exc
+        if error is not None:
+            raise error

@@ -113,6 +113,7 @@ def test_builtins_are_registered_as_plugins(plugin_manager: pluggy.PluginManager
         ("mindspore", "loopback"),
         ("torch", "cuda"),
         ("torch", "loopback"),
+        ("torch", "loopback-async"),
     ]
 
 
@@ -233,10 +234,10 @@ class _NamedLoopback(TransferRuntime):
     def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         raise NotImplementedError
 
-    def release_device(self, tensor: torch.Tensor) -> None:
+    def release_device(self, tensor: torch.Tensor, after: Sequence = ()) -> None:
         raise NotImplementedError
 
-    def copy_in(self, pairs: Sequence) -> None:
+    def copy_in(self, pairs: Sequence, after: Sequence = ()) -> None:
         raise NotImplementedError
 
     def copy_out(self, pairs: Sequence) -> None:

@@ -178,7 +178,8 @@ def test_peak_follows_swap_times_for_equal_layers():
         swap_optimizer(opt, config(swap_times=8, packed_swap=packed))
         opt(tuple(Tensor(np.ones((32, 32), np.float32)) for _ in params))
         stats = swap_stats(opt)
-        assert stats.peak_resident_state_bytes * 4 == stats.total_state_bytes, packed
+        # Three of eight batches: one coming in, one updating, one going out.
+        assert stats.peak_resident_state_bytes * 8 == 3 * stats.total_state_bytes, packed
         unswap_optimizer(opt)
 
 
@@ -245,11 +246,11 @@ def test_an_interrupted_step_finishes_exactly_when_repeated(packed):
     original = runtime.copy_in
     calls = {"n": 0}
 
-    def flaky(pairs):
+    def flaky(pairs, after=()):
         calls["n"] += 1
-        if calls["n"] == 3:  # the third batch of the step: two batches are already updated
+        if calls["n"] == 3:  # the third batch of the step: the first is already updated
             raise RuntimeError("copy engine hiccup")
-        return original(pairs)
+        return original(pairs, after)
 
     for step in range(4):
         grads = grads_for(step, params)

@@ -36,7 +36,10 @@ BAD_VALUES = {
     "SWAPOPT_SWAP_TIMES": ("0", "an integer >= 1"),
     "SWAPOPT_MIN_NUMEL": ("1.5", "an integer >= 0"),
     "SWAPOPT_PACKED_SWAP": ("maybe", "'auto' or null for the runtime's default, or a boolean"),
-    "SWAPOPT_RUNTIME": ("ascend", "one of the torch runtimes ['auto', 'cuda', 'loopback']"),
+    "SWAPOPT_RUNTIME": (
+        "ascend",
+        "one of the torch runtimes ['auto', 'cuda', 'loopback', 'loopback-async']",
+    ),
     "SWAPOPT_ACTIVATION_BUDGET_MB": ("lots", "a number of MiB >= 0, or 'none'"),
     "SWAPOPT_ACTIVATION_RUNTIME": ("tpu", "one of ['auto', 'cuda', 'loopback', 'loopback-async']"),
 }

@@ -13,6 +13,9 @@ from swapopt_core import is_swap_optimizer, swap_optimizer, swap_stats, unswap_o
 from swapopt_core._engine_base import engine_of
 from tests.conftest import assert_nothing_resident, assert_same, loopback, make_model, train, twin
 
+#: Each test runs on the synchronous loopback and on loopback-async with jitter.
+pytestmark = pytest.mark.usefixtures("swap_runtime")
+
 TOTAL, MIDDLE = 12, 5
 
 SETUPS = {
@@ -317,6 +320,7 @@ def test_state_moved_back_by_a_framework_is_offloaded_again(packed):
     model = make_model()
     opt = swapped(model, flags, packed)
     train(model, opt, MIDDLE)
+    swap_stats(opt)  # the host state is read directly below: the step's copies must be done
     for state in opt.state.values():
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             state[key] = state[key].clone()

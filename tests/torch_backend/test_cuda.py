@@ -56,7 +56,8 @@ def test_cuda_device_memory_of_swapped_state_is_freed_between_steps() -> None:
     torch.cuda.synchronize()
     # Only tiny (below min_numel) states and step counters may remain on the device.
     assert torch.cuda.memory_allocated() - before < 64 * 1024
-    assert swap_stats(opt).peak_resident_state_bytes <= 0.55 * swap_stats(opt).total_state_bytes
+    # Three of the four batches at the peak: one coming in, one updating, one going out.
+    assert swap_stats(opt).peak_resident_state_bytes <= 0.76 * swap_stats(opt).total_state_bytes
 
 
 def test_cuda_activation_offload_is_bit_exact_and_within_budget() -> None:

@@ -25,6 +25,9 @@ from tests.conftest import (
     twin,
 )
 
+#: Each test runs on the synchronous loopback and on loopback-async with jitter.
+pytestmark = pytest.mark.usefixtures("swap_runtime")
+
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
 FLAGS = {

@@ -24,9 +24,9 @@ class _Ledger:
             self.peak = max(self.peak, self.live)
             return tensor
 
-        def release_device(runtime, tensor):  # noqa: ANN001, ANN202
+        def release_device(runtime, tensor, after=()):  # noqa: ANN001, ANN202
             self.live -= tensor.untyped_storage().nbytes()
-            release(runtime, tensor)
+            release(runtime, tensor, after)
 
         monkeypatch.setattr(LoopbackRuntime, "alloc_device", alloc_device)
         monkeypatch.setattr(LoopbackRuntime, "release_device", release_device)
@@ -62,7 +62,8 @@ def test_peak_and_traffic_on_32_equal_layers(monkeypatch: pytest.MonkeyPatch, pa
         assert all(t.untyped_storage().nbytes() == 0 for t in ledger.tensors)
         assert stats.h2d_bytes == stats.d2h_bytes == step * state_bytes
     assert stats.peak_resident_state_bytes == ledger.peak
-    assert stats.peak_resident_state_bytes <= 0.30 * stats.total_state_bytes
+    # Three batches at the peak: one coming in, one updating, one going out.
+    assert stats.peak_resident_state_bytes == 3 * stats.total_state_bytes // 8
     assert stats.host_state_bytes == state_bytes
     if packed:
         assert stats.pinned_host_bytes <= 1.05 * state_bytes

@@ -103,7 +103,12 @@ def test_grad_scaler_skips_the_inf_step(flags, clip, packed):
                 if opt is ob and not flags.get("fused"):
                     # Unfused: the scaler does not call step() at all.
                     assert swap_stats(ob).steps == steps_before
-        assert_nothing_resident(ob)
+        if step == INF_STEP and not flags.get("fused"):
+            # The skipped step leaves what its backward prefetched on the device, for the
+            # next step to use.
+            assert swap_stats(ob).resident_state_bytes > 0
+        else:
+            assert_nothing_resident(ob)
         assert_same(oa, ob, ma, mb)
         assert scalers[0].get_scale() == scalers[1].get_scale()
     assert not hasattr(ob, "grad_scale") and not hasattr(ob, "found_inf")

@@ -270,11 +270,11 @@ def test_a_second_ctrl_c_interrupts_the_step_at_once() -> None:
     original = runtime.copy_in
     calls = []
 
-    def copy_in_with_two_ctrl_c(pairs):  # noqa: ANN001, ANN202
+    def copy_in_with_two_ctrl_c(pairs, after=()):  # noqa: ANN001, ANN202
         calls.append(True)
         signal.raise_signal(signal.SIGINT)
         signal.raise_signal(signal.SIGINT)
-        return original(pairs)
+        return original(pairs, after)
 
     runtime.copy_in = copy_in_with_two_ctrl_c
     swapped.zero_grad()

@@ -12,9 +12,11 @@ arenas; a batch's arena is written by its copy in only after the copy out of the
 that used it before (``StagedBatch.reuse_after``). Device memory is given back ordered
 after the copies that use it, never by blocking the host.
 
-The step ends once its copies are queued: no host sync. The caller keeps the last copy
-out's ticket (``Pipeline.last_out``): the next step's copies in wait for it (they read host
-memory it writes), and whoever reads host state waits for it on the host.
+The step ends once its copies are queued: no host sync. The next step's pipeline is given
+this one (``previous``): each copy in waits for the copy out that last wrote the host memory
+it reads (the same batch of the previous step when the batches are unchanged, else the
+previous step's last copy out), and whoever reads host state waits for ``last_out`` on the
+host.
 
 A step is a transaction per batch. The engine's ``update`` either finishes or leaves its
 batch as it found it (it keeps an undo copy of what it changes in place). A batch whose
@@ -135,8 +137,8 @@ class Pipeline:
         batches: The slots of each batch, in order.
         staging: Allocates and frees each batch's device storage.
         runtime: Queues the copies.
-        host_ready: Ticket of the last copy out of the previous step: the copies in read
-            host memory it writes, so they wait for it.
+        previous: The previous step's pipeline, whose copies out wrote the host memory
+            the copies in read.
     """
 
     def __init__(
@@ -144,13 +146,16 @@ class Pipeline:
         batches: Sequence[Sequence[Hashable]],
         staging: Staging,
         runtime: TransferRuntime,
-        host_ready: Any = None,
+        previous: Pipeline | None = None,
     ) -> None:
         self.batches = [list(batch) for batch in batches]
         self.staging = staging
         self.runtime = runtime
-        self.host_ready = host_ready
         n = len(self.batches)
+        if previous is not None and previous.matches(self.batches):
+            self.host_ready = list(previous.tickets)  # batch j was written by its copy out
+        else:
+            self.host_ready = [None if previous is None else previous.last_out] * n
         self.staged: list[StagedBatch | None] = [None] * n
         self.tickets: list[Any] = [None] * n  # copy in, then copy out, of each batch
         self.began = False
@@ -202,7 +207,9 @@ class Pipeline:
         self.staged[j] = batch = self.staging.stage(j, self.batches[j])
         # Written only after the copy that used this memory before, and after the host
         # memory it reads was written by the previous step.
-        self.tickets[j] = self.runtime.copy_in(batch.pairs, (batch.reuse_after, self.host_ready))
+        self.tickets[j] = self.runtime.copy_in(
+            batch.pairs, (batch.reuse_after, self.host_ready[j])
+        )
         self.h2d += batch.copy_bytes
 
     def _leave(self, j: int) -> None:

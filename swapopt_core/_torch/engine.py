@@ -72,6 +72,8 @@ class SwapEngine(EngineBase):
         self._handles: list[Any] = []
         self.checkpoint = CheckpointHooks(self)
         self.prefetch = BackwardPrefetch(self)
+        #: The last step's pipeline: its copies out wrote what the next step copies in.
+        self.previous: Pipeline | None = None
         # Units finished by a step that was then interrupted, with the grad they used.
         self._finished: dict[int, tuple[torch.Tensor, int]] = {}
         self._unsilence: Callable[[], None] | None = None
@@ -336,16 +338,17 @@ class SwapEngine(EngineBase):
 
             plan = [[s for u in b for s in u.slots] for b in batches]
             pipeline = self.prefetch.take(plan) or Pipeline(
-                plan, self.staging, self.runtime, self.last_out
+                plan, self.staging, self.runtime, self.previous
             )
             try:
                 pipeline.run(update, self.kept)
             except BaseException:
                 self._finished.update(done)
-                self.last_out = None  # drained by the pipeline's recovery
+                self.last_out, self.previous = None, None  # drained by the recovery
                 raise
             h2d, d2h = pipeline.h2d, pipeline.d2h
             # The step ends with its copies queued; the next one's copies in wait for these.
+            self.previous = pipeline
             self.last_out = pipeline.last_out or self.last_out
             self.prefetch.remember(plan)
         # Until the observers have seen the step, a call with the same gradients only

@@ -62,7 +62,7 @@ class BackwardPrefetch:
         engine = self.engine
         if engine.kept or not engine.config.prefetch_during_backward:
             return
-        pipeline = Pipeline(self.plan, engine.staging, engine.runtime, engine.last_out)
+        pipeline = Pipeline(self.plan, engine.staging, engine.runtime, engine.previous)
         try:
             pipeline.start(AHEAD)
         except Exception:  # the step will bring the batches in itself; backward goes on

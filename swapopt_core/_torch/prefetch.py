@@ -44,6 +44,7 @@ class BackwardPrefetch:
         self.pipeline: Pipeline | None = None
         self._hosts: list[torch.Tensor] = []  # the host memory the prefetch reads
         self._handles: dict[int, Any] = {}
+        self._tried = False  # a prefetch was tried since the last step
         self._failed = False
 
     def watch(self, params: Sequence[torch.Tensor]) -> None:
@@ -55,10 +56,12 @@ class BackwardPrefetch:
     def remember(self, batches: list[list[Slot]]) -> None:
         """The plan the next step is expected to follow."""
         self.plan = batches if batches else None
+        self._tried = False
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if self.pipeline is not None or self.plan is None:
+        if self._tried or self.plan is None:
             return
+        self._tried = True  # once per step, even if it fails
         engine = self.engine
         if engine.kept or not engine.config.prefetch_during_backward:
             return

@@ -2,7 +2,8 @@
 
 For packed and per-tensor staging and ``swap_times`` 1, 3 and 8, an ``Exception`` and a
 ``KeyboardInterrupt`` are raised at the first, a middle and the last call that one step
-makes to each runtime entry point of the engine's real ``LoopbackRuntime`` instance, and
+makes to each runtime entry point of the engine's real runtime instance (``loopback``, and
+``loopback-async`` with jitter at ``swap_times=3``), and
 before and after the adapter's update. Afterwards (a) ``state_dict()`` is complete, (e)
 ``swap_stats`` is true, (b) the step repeated with the same gradients equals one plain step,
 (c) further training equals plain training and (d) ``unswap_optimizer`` leaves a plain
@@ -22,7 +23,15 @@ from swapopt_core._engine_base import engine_of
 from swapopt_core._plugins import new_plugin_manager
 from swapopt_core.hookspecs import hookimpl
 
-RUNTIME_CALLS = ("copy_in", "copy_out", "alloc_device", "release_device", "wait", "synchronize")
+RUNTIME_CALLS = (
+    "copy_in",
+    "copy_out",
+    "alloc_device",
+    "release_device",
+    "wait",
+    "host_wait",
+    "synchronize",
+)
 POINTS = (*RUNTIME_CALLS, "update:before", "update:after", "alloc_host", "after_step")
 KEYS = {"step", "exp_avg", "exp_avg_sq"}
 
@@ -59,13 +68,13 @@ class _Observer:
             raise Injected("observer")
 
 
-def _swapped(packed: bool, swap_times: int, observer: _Observer) -> tuple:
+def _swapped(packed: bool, swap_times: int, observer: _Observer, runtime: str) -> tuple:
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     manager = new_plugin_manager(load_entrypoints=False)
     manager.register(observer)
     config = SwapOptimizerConfig(
-        swap_times=swap_times, min_numel=0, runtime="loopback", packed_swap=packed
+        swap_times=swap_times, min_numel=0, runtime=runtime, packed_swap=packed
     )
     swap_optimizer(opt, config, plugin_manager=manager)
     return model, opt
@@ -89,11 +98,11 @@ def _count(obj: object, name: str, counter: list[int]) -> None:
 
 
 @functools.cache
-def _calls(packed: bool, swap_times: int, point: str, fault_step: int) -> int:
+def _calls(packed: bool, swap_times: int, point: str, fault_step: int, runtime: str) -> int:
     """How often a clean step number ``fault_step`` reaches ``point``."""
     if point == "after_step":
         return 1
-    model, opt = _swapped(packed, swap_times, _Observer())
+    model, opt = _swapped(packed, swap_times, _Observer(), runtime)
     for seed in range(fault_step):
         _step(model, opt, seed)
     counter = [0]
@@ -119,6 +128,8 @@ def _inject(opt: torch.optim.Optimizer, point: str, at: int, error: type) -> Non
 
 
 def _assert_equal(model_a, opt_a, model_b, opt_b) -> None:  # noqa: ANN001
+    if engine_of(opt_b) is not None:
+        swap_stats(opt_b)  # the host state is read below: the step's copies must be done
     for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
         assert torch.equal(a, b)
         assert opt_a.state[a].keys() == opt_b.state[b].keys()
@@ -126,17 +137,19 @@ def _assert_equal(model_a, opt_a, model_b, opt_b) -> None:  # noqa: ANN001
             assert torch.equal(value, opt_b.state[b][key]), key
 
 
-def run_case(packed: bool, swap_times: int, point: str, which: str, error: type) -> None:
+def run_case(
+    packed: bool, swap_times: int, point: str, which: str, error: type, runtime: str = "loopback"
+) -> None:
     # Host buffers are only allocated when state is created: fault the first step there.
     fault_step = 0 if point == "alloc_host" else 1
-    calls = _calls(packed, swap_times, point, fault_step)
+    calls = _calls(packed, swap_times, point, fault_step, runtime)
     if calls == 0:
         pytest.skip(f"a step makes no {point} call in this configuration")
     at = {"first": 1, "middle": (calls + 1) // 2, "last": calls}[which]
     observer = _Observer()
     plain_model = _model()
     plain = torch.optim.Adam(plain_model.parameters(), lr=1e-2)
-    model, opt = _swapped(packed, swap_times, observer)
+    model, opt = _swapped(packed, swap_times, observer, runtime)
     for seed in range(fault_step):
         _step(plain_model, plain, seed)
         _step(model, opt, seed)
@@ -198,6 +211,24 @@ CASES = [
 @pytest.mark.parametrize(("mode", "swap_times", "point", "which", "error"), CASES)
 def test_fault(mode: str, swap_times: int, point: str, which: str, error: str) -> None:
     run_case(MODES[mode], swap_times, point, which, ERRORS[error])
+
+
+ASYNC_CASES = [
+    pytest.param(mode, point, which, error, id=f"{mode}-x3-{point}-{which}-{error}")
+    for mode, point, which, error in itertools.product(
+        MODES, POINTS, ("first", "middle", "last"), ERRORS
+    )
+    if not (point == "after_step" and (which != "first" or error != "error"))
+]
+
+
+@pytest.mark.parametrize(("mode", "point", "which", "error"), ASYNC_CASES)
+def test_fault_on_loopback_async(
+    monkeypatch: pytest.MonkeyPatch, mode: str, point: str, which: str, error: str
+) -> None:
+    """The same matrix at ``swap_times=3`` with copies on worker threads, with jitter."""
+    monkeypatch.setenv("SWAPOPT_LOOPBACK_JITTER_US", "300")
+    run_case(MODES[mode], 3, point, which, ERRORS[error], runtime="loopback-async")
 
 
 def test_the_matrix_covers_every_entry_point() -> None:

@@ -21,7 +21,7 @@ every copy. Swapped runs are checked bitwise against their plain twins.
 
 Run::
 
-    python benchmarks/overlap.py                          # 10M, 50M, 100M parameters
+    python benchmarks/overlap.py                          # 10M, 50M, 100M; link 1x and 2x
     python benchmarks/overlap.py --sizes 10M --link 2 --markdown out.md
 """
 
@@ -118,7 +118,9 @@ def same(a: nn.Module, oa: torch.optim.Optimizer, b: nn.Module, ob: torch.optim.
     return True
 
 
-def measure(params: int, link: float, steps: int, rounds: int, batch: int) -> dict[str, Any]:
+def measure(
+    params: int, link: float, steps: int, rounds: int, batch: int, swap_times: int
+) -> dict[str, Any]:
     """Every figure for one model size."""
     plain_model = build(params)
     n = sum(p.numel() for p in plain_model.parameters())
@@ -133,7 +135,7 @@ def measure(params: int, link: float, steps: int, rounds: int, batch: int) -> di
 
     # The step alone, and the step inside training, plain and swapped side by side.
     step_model = copy.deepcopy(plain_model)
-    step_opt = swapped(step_model, 8, True, gbps)
+    step_opt = swapped(step_model, swap_times, True, gbps)
     step_model_plain = copy.deepcopy(plain_model)
     step_plain = torch.optim.AdamW(step_model_plain.parameters(), lr=1e-3)
     x = torch.randn(batch, plain_model[0].in_features, generator=torch.Generator().manual_seed(1))
@@ -141,8 +143,8 @@ def measure(params: int, link: float, steps: int, rounds: int, batch: int) -> di
     train_models = {name: copy.deepcopy(plain_model) for name in names}
     train_opts = {
         "plain": torch.optim.AdamW(train_models["plain"].parameters(), lr=1e-3),
-        "prefetch": swapped(train_models["prefetch"], 8, True, gbps),
-        "no-prefetch": swapped(train_models["no-prefetch"], 8, False, gbps),
+        "prefetch": swapped(train_models["prefetch"], swap_times, True, gbps),
+        "no-prefetch": swapped(train_models["no-prefetch"], swap_times, False, gbps),
     }
 
     def train_step(name: str) -> Callable[[], None]:
@@ -201,6 +203,7 @@ def measure(params: int, link: float, steps: int, rounds: int, batch: int) -> di
         swapopt.unswap_optimizer(opt)
     visible = t["train:prefetch"] - t["train:plain"]
     return {
+        "link": link,
         "params": n,
         "state_mb": state_bytes / 1e6,
         "gbps": gbps,
@@ -221,20 +224,21 @@ def measure(params: int, link: float, steps: int, rounds: int, batch: int) -> di
     }
 
 
-def tables(results: list[dict[str, Any]], link: float) -> tuple[str, list[Table]]:
+def tables(results: list[dict[str, Any]], swap_times: int) -> tuple[str, list[Table]]:
     """Markdown and rich renderings of the two tables."""
     head = (
-        "| params | state MB | link GB/s | U ms | L ms | U+2L ms | S ms | S/U | S/max(U,L) "
-        "| S/(U+2L) | train plain ms | +prefetch ms | no prefetch ms | visible/L "
+        "| params | L/U set | state MB | link GB/s | U ms | L ms | U+2L ms | S ms | S/U "
+        "| S/max(U,L) | S/(U+2L) | train plain ms | +prefetch ms | no prefetch ms | visible/L "
         "| visible/L no prefetch | bit-exact |"
     )
-    rows = [head, "|" + "---|" * 16]
-    main = Table(title=f"swapped step, link = {link} x plain update (loopback-async)")
+    rows = [head, "|" + "---|" * 17]
+    main = Table(title=f"swapped step (swap_times={swap_times}, packed, loopback-async)")
     for column in head.strip("|").split("|"):
         main.add_column(column.strip())
     for r in results:
         cells = [
             f"{r['params'] / 1e6:.1f}M",
+            f"{r['link']:g}",
             f"{r['state_mb']:.0f}",
             f"{r['gbps']:.2f}",
             f"{r['update_ms']:.1f}",
@@ -253,16 +257,19 @@ def tables(results: list[dict[str, Any]], link: float) -> tuple[str, list[Table]
         ]
         rows.append("| " + " | ".join(cells) + " |")
         main.add_row(*cells)
-    head2 = "| params | swap_times | S ms | U ms | S/max(U,L) | peak device state / total |"
-    rows += ["", head2, "|" + "---|" * 6]
+    head2 = (
+        "| params | L/U set | swap_times | S ms | U ms | S/max(U,L) | peak device state / total |"
+    )
+    rows += ["", head2, "|" + "---|" * 7]
     sweep = Table(title="swap_times sweep (prefetch on, packed)")
     for column in head2.strip("|").split("|"):
         sweep.add_column(column.strip())
     for r in results:
-        for swap_times, s in r["sweep"].items():
+        for st, s in r["sweep"].items():
             cells = [
                 f"{r['params'] / 1e6:.1f}M",
-                str(swap_times),
+                f"{r['link']:g}",
+                str(st),
                 f"{s['step_ms']:.1f}",
                 f"{s['plain_ms']:.1f}",
                 f"{s['x_bound']:.2f}",
@@ -276,7 +283,10 @@ def tables(results: list[dict[str, Any]], link: float) -> tuple[str, list[Table]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10M,50M,100M")
-    parser.add_argument("--link", type=float, default=1.0, help="link time / plain update")
+    parser.add_argument(
+        "--link", default="1,2", help="link time / plain update, one or more (comma-separated)"
+    )
+    parser.add_argument("--swap-times", type=int, default=8, help="for the main table")
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
     parser.add_argument("--rounds", type=int, default=5, help="timed blocks per config")
     parser.add_argument("--batch", type=int, default=16, help="rows of the training input")
@@ -284,18 +294,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
-    if not 0.5 <= args.link <= 2.0:
-        parser.error(f"--link={args.link}: the issue asks for a link time of 0.5x to 2x")
+    links = [float(v) for v in args.link.split(",")]
+    if not all(0.5 <= link <= 2.0 for link in links):
+        parser.error(f"--link={args.link}: the issue asks for link times of 0.5x to 2x")
     torch.set_num_threads(args.threads)
     os.environ.pop("SWAPOPT_LOOPBACK_JITTER_US", None)
     console = Console(stderr=True)
     results = []
     started = time.perf_counter()
     for size in args.sizes.split(","):
-        console.print(f"measuring {size} ...")
-        results.append(measure(parse_size(size), args.link, args.steps, args.rounds, args.batch))
-        gc.collect()
-    markdown, rendered = tables(results, args.link)
+        for link in links:
+            console.print(f"measuring {size} at link = {link} x update ...")
+            params = parse_size(size)
+            results.append(
+                measure(params, link, args.steps, args.rounds, args.batch, args.swap_times)
+            )
+            gc.collect()
+    markdown, rendered = tables(results, args.swap_times)
     for table in rendered:
         Console().print(table)
     console.print(

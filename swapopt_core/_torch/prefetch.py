@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from swapopt_core._pipeline import Pipeline
 from swapopt_core._torch.state import Slot
@@ -65,9 +66,14 @@ class BackwardPrefetch:
         engine = self.engine
         if engine.kept or not engine.config.prefetch_during_backward:
             return
+        if torch.compiler.is_compiling():  # traced, not run: nothing to copy yet
+            return
         pipeline = Pipeline(self.plan, engine.staging, engine.runtime, engine.previous)
         try:
-            pipeline.start(AHEAD)
+            # Outside any dispatch mode (an OffloadSession's tracer among them): these copies
+            # are the optimizer's, not ops of the model's backward.
+            with _disable_current_modes():
+                pipeline.start(AHEAD)
         except Exception:  # the step will bring the batches in itself; backward goes on
             if not self._failed:
                 logger.warning("prefetching optimizer state during backward failed", exc_info=True)

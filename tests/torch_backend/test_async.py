@@ -3,6 +3,7 @@ and the lanes that play the copy streams."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from swapopt_core import (
+    OffloadConfig,
+    OffloadSession,
     SwapOptimizerConfig,
     swap_optimizer,
     swap_stats,
@@ -222,3 +225,21 @@ def test_a_paced_copy_is_still_pending_right_after_it_is_queued() -> None:
 def test_lane_settings_refuse_nonsense(gbps: object, jitter: object) -> None:
     with pytest.raises(ValueError, match="is invalid"):
         LaneSettings(gbps=gbps, jitter_us=jitter)  # type: ignore[arg-type]
+
+
+def test_the_prefetch_is_invisible_to_an_offload_session() -> None:
+    """The prefetch runs inside backward, hence inside a session's tracer: it must not show
+    up as ops of the model (the second step would then differ from the traced first one)."""
+    plain_model, plain, model, opt = _pair(_async(swap_times=3), every_step=True)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.001, runtime="loopback"))
+    for step in range(4):
+        for m, o, traced in ((plain_model, plain, False), (model, opt, True)):
+            o.zero_grad()
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            with session if traced else contextlib.nullcontext():
+                m(x).square().mean().backward()
+            o.step()
+    stats = session.stats()
+    assert (stats.warmups, stats.replays, stats.retraces) == (1, 3, 0)
+    assert swap_stats(opt).h2d_bytes == 4 * swap_stats(opt).total_state_bytes
+    assert_same(plain, opt, plain_model, model)

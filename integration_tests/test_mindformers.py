@@ -220,6 +220,7 @@ def test_trainer_config_with_section() -> None:
                 "include_master_params": False,
                 "packed_swap": None,
                 "runtime": "auto",
+                "prefetch_during_backward": True,
             },
         ]
     }

@@ -3,25 +3,63 @@
 A MindSpore optimizer is a Cell whose ``construct(gradients)`` runs a once-per-step
 preamble (learning rate, weight decay, global step, bias-correction powers) and then one
 update primitive per parameter. The engine replaces ``construct``: it asks the adapter for
-the preamble once, then runs the family's own per-parameter update batch by batch, with the
-swapped state Parameters replaced by device views. Nothing here imports MindSpore at module
-import time, so the plugin costs nothing where MindSpore is absent.
+the preamble once, then runs the family's own update batch by batch (``update_batch``: one
+``update`` per parameter, or one compiled graph per batch), with the swapped state
+Parameters replaced by device views. Nothing here imports MindSpore at module import time,
+so the plugin costs nothing where MindSpore is absent.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from swapopt_core._errors import SwapOptError
 
-__all__ = ["MindSporeAdapter", "qualified_names"]
+__all__ = ["GraphCache", "MindSporeAdapter", "qualified_names"]
+
+#: One parameter's work in a batch: its index and its states by key (see ``update``).
+Work = tuple[int, Mapping[str, Any]]
 
 
 def qualified_names(obj: object) -> set[str]:
     """``module.QualName`` of ``obj``'s class and every base class."""
     return {f"{cls.__module__}.{cls.__qualname__}" for cls in type(obj).__mro__}
+
+
+class GraphCache:
+    """The compiled batch updates of one swapped optimizer, by what each depends on.
+
+    A graph holds the Parameters of its batch, so the cache lives with the engine. After
+    each complete step the graphs that step did not use are dropped (``prune``): a new
+    batch split compiles anew instead of growing the cache.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: dict[Hashable, Any] = {}
+        self._used: set[Hashable] = set()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The graph cached under ``key``, built by ``build`` the first time."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = build()
+        self._used.add(key)
+        return graph
+
+    def prune(self) -> None:
+        """Drop the graphs unused since the last ``prune``."""
+        self._graphs = {k: g for k, g in self._graphs.items() if k in self._used}
+        self._used = set()
+
+    def clear(self) -> None:
+        """Drop every graph (and the Parameters it holds)."""
+        self._graphs.clear()
+        self._used.clear()
 
 
 class MindSporeAdapter(ABC):
@@ -82,6 +120,19 @@ class MindSporeAdapter(ABC):
         Returns:
             What the family's ``construct`` returns for this parameter.
         """
+
+    def update_batch(
+        self, optimizer: Any, prepared: Any, work: Sequence[Work], graphs: GraphCache
+    ) -> list[Any]:
+        """Update every parameter of a batch; by default one ``update`` call each.
+
+        Families whose plain ``construct`` is compiled override this to run the batch as one
+        compiled graph with the same kernels (cached in ``graphs``).
+
+        Returns:
+            What ``update`` returns, per parameter of ``work``.
+        """
+        return [self.update(optimizer, prepared, index, states) for index, states in work]
 
     @staticmethod
     def per_parameter(values: Any, grouped: bool, index: int) -> Any:

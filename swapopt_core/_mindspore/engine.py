@@ -19,9 +19,10 @@ from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
 from swapopt_core._errors import SwapOptError
 from swapopt_core._mindspore import is_mindspore_optimizer
-from swapopt_core._mindspore.adapter import MindSporeAdapter
+from swapopt_core._mindspore.adapter import GraphCache, MindSporeAdapter
 from swapopt_core._mindspore.runtime import MindSporeRuntime
 from swapopt_core._mindspore.staging import PackedStaging, PerTensorStaging, Slot
+from swapopt_core._mindspore.undo import UndoArena
 from swapopt_core._partition import partition
 from swapopt_core._pipeline import deferred_interrupt, run_pipeline
 
@@ -53,6 +54,8 @@ class MindSporeSwapEngine(EngineBase):
         super().__init__(optimizer, config, adapter, runtime, plugin_manager)
         # An interrupted step: (gradient ids, preamble values, indices already updated).
         self._interrupted: tuple[tuple[int, ...], Any, set[int]] | None = None
+        #: The compiled batch updates of this optimizer (see ``adapter.update_batch``).
+        self.graphs = GraphCache()
 
     # ---- install / uninstall -------------------------------------------------------------
 
@@ -199,6 +202,10 @@ class MindSporeSwapEngine(EngineBase):
         )
         batches = [[units[k] for k in run] for run in runs]
         resident = self._resident_states()
+        devices = [str(p.device) for p in opt._parameters]  # waits once, before the step
+        arena = UndoArena(
+            self.runtime, [self._changed(batch, by_index, resident, devices) for batch in batches]
+        )
 
         def update(b: int, views: dict[Slot, Any]) -> None:
             work = []
@@ -207,13 +214,14 @@ class MindSporeSwapEngine(EngineBase):
                 for slot in by_index.get(index, ()):
                     states[slot.key] = views[slot]
                 work.append((index, states))
-            undo = self._snapshot(work, by_index)
+            saved = arena.save(self._changed(batches[b], by_index, resident, devices))
             try:
-                for index, states in work:
-                    results[index] = self.adapter.update(opt, prepared, index, states)
+                out = self.adapter.update_batch(opt, prepared, work, self.graphs)
             except BaseException:
-                self._roll_back(undo)
+                arena.restore(saved)
                 raise
+            for index, result in zip(batches[b], out, strict=True):
+                results[index] = result
             done.update(batches[b])
 
         try:
@@ -224,9 +232,16 @@ class MindSporeSwapEngine(EngineBase):
                 update,
                 self.kept,
             )
+            # MindSpore saves checkpoints straight from the host Parameters, with no hook
+            # to wait in: the host copies must be final when the step returns.
+            self.runtime.synchronize()
         except BaseException:
             self._interrupted = (identity, prepared, done)
             raise
+        finally:
+            arena.release()
+        if not resumed:
+            self.graphs.prune()
         # Until the observers have seen the step, a call with the same gradients only
         # tells them again.
         self._interrupted = (identity, prepared, done)
@@ -234,25 +249,26 @@ class MindSporeSwapEngine(EngineBase):
         self._interrupted = None
         return tuple(results)
 
-    def _snapshot(
-        self, work: list[tuple[int, dict[str, Any]]], by_index: dict[int, list[Slot]]
-    ) -> list[tuple[Any, Any]]:
-        """Copies (on the device) of what a batch's update changes in place, but for the
-        swapped state, whose host copy is only overwritten once the update succeeded."""
-        undo = []
-        for index, states in work:
+    def _changed(
+        self,
+        batch: Sequence[int],
+        by_index: dict[int, list[Slot]],
+        resident: dict[str, Any],
+        devices: Sequence[str],
+    ) -> list[tuple[Any, str]]:
+        """What the update of ``batch`` changes in place, with its device: the parameters
+        and the state that is not swapped (the swapped state's host copy is only
+        overwritten once the update succeeded)."""
+        targets = []
+        for index in batch:
             swapped = {slot.key for slot in by_index.get(index, ())}
-            targets = [self.optimizer._parameters[index]]
-            targets += [v for k, v in states.items() if k not in swapped and v is not None]
-            undo += [(target, target.copy()) for target in targets]
-        return undo
-
-    @staticmethod
-    def _roll_back(undo: list[tuple[Any, Any]]) -> None:
-        from mindspore.ops import functional as F
-
-        for target, saved in undo:
-            F.assign(target, saved)
+            targets.append((self.optimizer._parameters[index], devices[index]))
+            targets += [
+                (values[index], devices[index])
+                for key, values in resident.items()
+                if key not in swapped and values[index] is not None
+            ]
+        return targets
 
     def _resident_states(self) -> dict[str, Sequence[Any]]:
         """Every state the update reads, by key: the optimizer's own Parameters."""

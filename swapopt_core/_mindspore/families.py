@@ -2,7 +2,10 @@
 
 Each replays its optimizer's ``construct`` preamble and calls the very primitive (or
 per-parameter function) that ``construct`` maps over the parameters, so the swapped update
-is the unswapped one, bit for bit.
+is the unswapped one, bit for bit. ``nn.Adam`` and ``nn.AdamWeightDecay``, whose plain
+``construct`` is jit-compiled, map it over each batch in a compiled graph
+(``swapopt_core._mindspore.graphs``); MindFormers' AdamW, whose plain ``construct`` runs op
+by op, updates one parameter at a time the same way.
 """
 
 from __future__ import annotations
@@ -10,16 +13,29 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from swapopt_core._engine_base import ENGINE_ATTR
 from swapopt_core._errors import SwapOptError
-from swapopt_core._mindspore.adapter import MindSporeAdapter
+from swapopt_core._mindspore.adapter import GraphCache, MindSporeAdapter, Work
 
 __all__ = ["MindFormersAdamWAdapter", "NnAdamAdapter", "NnAdamWeightDecayAdapter"]
 
 
-def _step_global(optimizer: Any) -> None:
-    from mindspore.ops import functional as F
+def _graphs(optimizer: Any) -> GraphCache:
+    """The compiled graphs of ``optimizer``'s engine (a throwaway cache without one)."""
+    graphs = getattr(getattr(optimizer, ENGINE_ATTR, None), "graphs", None)
+    return graphs if isinstance(graphs, GraphCache) else GraphCache()
 
-    F.assign_add(optimizer.global_step, optimizer.global_step_increase_tensor)
+
+def _counters(optimizer: Any, powers: bool) -> Any:
+    """Advance the global step (and nn.Adam's powers) in one compiled launch."""
+    from swapopt_core._mindspore.graphs import Preamble
+
+    counters = [optimizer.global_step]
+    if powers:
+        counters += [optimizer.beta1_power, optimizer.beta2_power]
+    # a counter whose data was replaced (a checkpoint load) needs a new graph
+    key = ("preamble", powers, tuple((id(c), c.data_ptr()) for c in counters))
+    return _graphs(optimizer).get(key, lambda: Preamble(optimizer, powers))()
 
 
 def _dense(gradients: tuple[Any, ...], family: str) -> None:
@@ -61,7 +77,6 @@ class NnAdamAdapter(MindSporeAdapter):
         return found
 
     def prepare(self, optimizer: Any, gradients: tuple[Any, ...]) -> Any:
-        from mindspore.ops import functional as F
 
         gradients = optimizer.decay_weight(gradients)
         gradients = optimizer.gradients_centralization(gradients)
@@ -69,11 +84,7 @@ class NnAdamAdapter(MindSporeAdapter):
         gradients = optimizer._grad_sparse_indices_deduplicate(gradients)
         _dense(gradients, self.family)
         lr = optimizer.get_lr()
-        _step_global(optimizer)
-        beta1_power = optimizer.beta1_power * optimizer.beta1
-        F.assign(optimizer.beta1_power, beta1_power)
-        beta2_power = optimizer.beta2_power * optimizer.beta2
-        F.assign(optimizer.beta2_power, beta2_power)
+        beta1_power, beta2_power = _counters(optimizer, powers=True)
         return gradients, lr, beta1_power, beta2_power
 
     def steps(self, optimizer: Any, index: int) -> bool:
@@ -98,6 +109,28 @@ class NnAdamAdapter(MindSporeAdapter):
             )
         return optimizer.opt(param, states["exp_avg"], states["exp_avg_sq"], *tail)
 
+    def update_batch(
+        self, optimizer: Any, prepared: Any, work: Sequence[Work], graphs: GraphCache
+    ) -> list[Any]:
+        from swapopt_core._mindspore.graphs import AdamBatch, Columns
+
+        gradients, lr, beta1_power, beta2_power = prepared
+        indices = [index for index, _ in work]
+        columns = Columns()
+        columns.add([gradients[i] for i in indices])
+        columns.add([optimizer._parameters[i] for i in indices])
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if optimizer.use_amsgrad else [])
+        for key in keys:
+            columns.add([states[key] for _, states in work])
+        if optimizer.is_group_lr:
+            columns.add([lr[i] for i in indices])
+        else:
+            columns.add([lr])
+        columns.add([beta1_power])
+        columns.add([beta2_power])
+        graph = graphs.get(columns.key, lambda: AdamBatch(optimizer, columns))
+        return list(columns.call(graph))
+
 
 class _DecoupledDecay(MindSporeAdapter):
     """Families whose preamble is weight decay, learning rate and the global step."""
@@ -108,7 +141,7 @@ class _DecoupledDecay(MindSporeAdapter):
         _dense(gradients, self.family)
         weight_decay = optimizer.get_weight_decay()
         lr = optimizer.get_lr()
-        _step_global(optimizer)
+        _counters(optimizer, powers=False)
         return gradients, lr, weight_decay
 
     def hyper(self, optimizer: Any, prepared: Any, index: int) -> tuple[Any, Any, Any]:
@@ -129,6 +162,25 @@ class NnAdamWeightDecayAdapter(_DecoupledDecay):
 
     def state(self, optimizer: Any) -> dict[str, Sequence[Any]]:
         return {"exp_avg": optimizer.moments1, "exp_avg_sq": optimizer.moments2}
+
+    def update_batch(
+        self, optimizer: Any, prepared: Any, work: Sequence[Work], graphs: GraphCache
+    ) -> list[Any]:
+        from swapopt_core._mindspore.graphs import AdamWeightDecayBatch, Columns
+
+        gradients, lr, weight_decay = prepared
+        indices = [index for index, _ in work]
+        columns = Columns()
+        columns.add([optimizer._parameters[i] for i in indices])
+        columns.add([states["exp_avg"] for _, states in work])
+        columns.add([states["exp_avg_sq"] for _, states in work])
+        columns.add([gradients[i] for i in indices])
+        columns.add([bool(optimizer.decay_flags[i]) for i in indices])
+        columns.add([bool(optimizer.optim_filter[i]) for i in indices])
+        columns.add([lr[i] for i in indices] if optimizer.is_group_lr else [lr])
+        columns.add([weight_decay[i] for i in indices] if optimizer.is_group else [weight_decay])
+        graph = graphs.get(columns.key, lambda: AdamWeightDecayBatch(optimizer, columns))
+        return list(columns.call(graph))
 
     def update(self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]) -> Any:
         from mindspore.nn.optim.adam import _adam_opt

@@ -2,9 +2,10 @@
 
 An ``Exception`` and a ``KeyboardInterrupt`` are raised at the first, a middle and the last
 call one step makes to each entry point of the engine's real loopback runtime instance,
-and before and after the adapter's update; then the state is complete (a), the stats true
-(e), the step repeated with the same gradients equals one plain step (b), training goes on
-exactly (c) and ``unswap_optimizer`` leaves a plain optimizer that stays exact (d).
+and before and after the adapter's batch update (``update_batch``, one compiled graph per
+batch); then the state is complete (a), the stats true (e), the step repeated with the same
+gradients equals one plain step (b), training goes on exactly (c) and ``unswap_optimizer``
+leaves a plain optimizer that stays exact (d).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _swapped(family: str, packed: bool) -> tuple[list[Parameter], object]:
 def _target(opt: object, point: str) -> tuple[object, str]:
     engine = engine_of(opt)
     if point.startswith("update"):
-        return engine.adapter, "update"
+        return engine.adapter, "update_batch"
     return engine.runtime, point
 
 
@@ -232,4 +233,24 @@ def test_an_observer_that_raises_does_not_make_the_retry_step_twice() -> None:
     opt(grads)  # tells the observers again, applies nothing
     ref(grads)
     assert swap_stats(opt).steps == 1
+    _assert_same(ref_params, params, ref, opt)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
+def test_a_failed_batch_update_puts_the_resident_state_back(packed: bool) -> None:
+    # exp_avg_sq is not swapped, and two parameters are too small to swap anything
+    ref_params, params = _params(), _params()
+    ref, opt = FAMILIES["adam"](ref_params), FAMILIES["adam"](params)
+    config = SwapOptimizerConfig(
+        runtime="loopback", min_numel=20, state_keys=("exp_avg",), swap_times=3, packed_swap=packed
+    )
+    swap_optimizer(opt, config)
+    ref(_grads(0))
+    opt(_grads(0))
+    grads = _grads(1)
+    _inject(opt, "update:after", 2, Injected)  # the second batch updates, then fails
+    with pytest.raises(Injected):
+        opt(grads)
+    opt(grads)  # the failed batch again, from its undo copy
+    ref(grads)
     _assert_same(ref_params, params, ref, opt)

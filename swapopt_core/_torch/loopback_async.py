@@ -36,10 +36,6 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
     return moved
 
 
-def _free(tensor: torch.Tensor) -> None:
-    tensor.untyped_storage().resize_(0)
-
-
 class LoopbackAsyncRuntime(LoopbackRuntime):
     """Loopback with one worker thread per copy direction, tickets and ordered frees.
 
@@ -70,11 +66,11 @@ class LoopbackAsyncRuntime(LoopbackRuntime):
     def release_device(self, tensor: torch.Tensor, after: Sequence[Any] = ()) -> None:
         busy = [ticket for ticket in after if ticket is not None and not ticket.done()]
         if not busy:
-            _free(tensor)
+            self._recycle(tensor)
             return
         # Freed on the lane of the copy still using it, once that copy (and the other
         # busy ones) ran: the memory goes back only when no copy touches it.
-        busy[0].lane.submit(lambda: _free(tensor), after=busy[1:])
+        busy[0].lane.submit(lambda: self._recycle(tensor), after=busy[1:])
 
     def wait(self, ticket: Ticket | None) -> None:
         if ticket is not None:

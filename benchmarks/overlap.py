@@ -10,6 +10,9 @@ AdamW with its state swapped) the script measures, side by side in one process:
   ``L = state bytes / bandwidth`` (each direction moves the whole state once, the two
   directions overlap) is ``--link`` times ``U``,
 * the fully serialised sum ``U + 2 L`` (update, then every copy in, then every copy out),
+* ``U‖L``: the plain step while the same paced lanes move the state's bytes both ways, with
+  no pipeline at all: on a CPU the copies are memcpys that share cores and the memory bus
+  with the update, and this is the floor that leaves for any overlap,
 * a whole training step (forward, backward, step) plain, swapped with prefetch during
   backward and swapped without it; the visible swap time is swapped minus plain,
 * the swapped step for ``swap_times`` 2, 4, 8, 16 with the peak device-resident state.
@@ -118,6 +121,35 @@ def same(a: nn.Module, oa: torch.optim.Optimizer, b: nn.Module, ob: torch.optim.
     return True
 
 
+class _RawLink:
+    """The floor of this machine: the plain step while both lanes move the state's bytes.
+
+    No pipeline logic, only the same work at once: ``swap_times`` copies of equal size per
+    direction on two paced lanes, and the plain AdamW step on the calling thread. On a CPU
+    the copies are memcpys sharing cores and the memory bus with the update, which a real
+    link does not; this measures that cost.
+    """
+
+    def __init__(self, state_bytes: int, pieces: int, gbps: float, plain: Any) -> None:
+        lanes = importlib.import_module("swapopt_core._lanes")
+        settings = lanes.LaneSettings(gbps=gbps)
+        self.h2d, self.d2h = lanes.Lane("h2d", settings), lanes.Lane("d2h", settings)
+        size = state_bytes // pieces
+        self.host = [torch.ones(size, dtype=torch.uint8) for _ in range(pieces)]
+        self.device = [torch.ones(size, dtype=torch.uint8) for _ in range(pieces)]
+        self.plain = plain
+        self.last: Any = None
+
+    def step(self) -> None:
+        tickets = []
+        for host, device in zip(self.host, self.device, strict=True):
+            tickets.append(self.h2d.submit(lambda d=device, h=host: d.copy_(h).numel()))
+            tickets.append(self.d2h.submit(lambda d=device, h=host: h.copy_(d).numel()))
+        self.plain.step()
+        for ticket in tickets:
+            ticket.wait()
+
+
 def measure(
     params: int, link: float, steps: int, rounds: int, batch: int, swap_times: int
 ) -> dict[str, Any]:
@@ -157,12 +189,16 @@ def measure(
 
         return run
 
+    floor_model = copy.deepcopy(plain_model)
+    floor_plain = torch.optim.AdamW(floor_model.parameters(), lr=1e-3)
+    raw = _RawLink(state_bytes, swap_times, gbps, floor_plain)
     blocks: dict[str, tuple[Callable[[], None], torch.optim.Optimizer]] = {
         "U": (step_plain.step, step_plain),
+        "floor": (raw.step, floor_plain),
         "S": (step_opt.step, step_opt),
         **{f"train:{name}": (train_step(name), train_opts[name]) for name in train_opts},
     }
-    for model in (step_model, step_model_plain):
+    for model in (step_model, step_model_plain, floor_model):
         set_grads(model, 0)
     for run, opt in blocks.values():  # warm up: lazy state, layouts, the prefetch plan
         for _ in range(2):
@@ -214,6 +250,8 @@ def measure(
         "x_plain": t["S"] / t["U"],
         "x_bound": t["S"] / max(t["U"], link_s),
         "x_serial": t["S"] / (t["U"] + 2 * link_s),
+        "floor_ms": t["floor"] * 1e3,
+        "x_floor": t["S"] / t["floor"],
         "train_plain_ms": t["train:plain"] * 1e3,
         "train_prefetch_ms": t["train:prefetch"] * 1e3,
         "train_no_prefetch_ms": t["train:no-prefetch"] * 1e3,
@@ -228,10 +266,11 @@ def tables(results: list[dict[str, Any]], swap_times: int) -> tuple[str, list[Ta
     """Markdown and rich renderings of the two tables."""
     head = (
         "| params | L/U set | state MB | link GB/s | U ms | L ms | U+2L ms | S ms | S/U "
-        "| S/max(U,L) | S/(U+2L) | train plain ms | +prefetch ms | no prefetch ms | visible/L "
+        "| S/max(U,L) | S/(U+2L) | U‖L ms | S/(U‖L) | train plain ms | +prefetch ms "
+        "| no prefetch ms | visible/L "
         "| visible/L no prefetch | bit-exact |"
     )
-    rows = [head, "|" + "---|" * 17]
+    rows = [head, "|" + "---|" * 19]
     main = Table(title=f"swapped step (swap_times={swap_times}, packed, loopback-async)")
     for column in head.strip("|").split("|"):
         main.add_column(column.strip())
@@ -248,6 +287,8 @@ def tables(results: list[dict[str, Any]], swap_times: int) -> tuple[str, list[Ta
             f"{r['x_plain']:.2f}",
             f"{r['x_bound']:.2f}",
             f"{r['x_serial']:.2f}",
+            f"{r['floor_ms']:.1f}",
+            f"{r['x_floor']:.2f}",
             f"{r['train_plain_ms']:.1f}",
             f"{r['train_prefetch_ms']:.1f}",
             f"{r['train_no_prefetch_ms']:.1f}",

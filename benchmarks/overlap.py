@@ -150,21 +150,18 @@ class _RawLink:
             ticket.wait()
 
 
-def measure(
-    params: int, link: float, steps: int, rounds: int, batch: int, swap_times: int
-) -> dict[str, Any]:
-    """Every figure for one model size."""
-    plain_model = build(params)
-    n = sum(p.numel() for p in plain_model.parameters())
-    state_bytes = 2 * 4 * n
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
-    set_grads(plain_model, 0)
-    for _ in range(3):
-        plain.step()
-    update = statistics.median(timed(plain.step, plain, steps) for _ in range(rounds))
-    gbps = state_bytes / (link * update) / 1e9
-    link_s = state_bytes / (gbps * 1e9)
-
+def _side_by_side(
+    plain_model: nn.Module,
+    gbps: float,
+    state_bytes: int,
+    steps: int,
+    rounds: int,
+    batch: int,
+    swap_times: int,
+) -> tuple[dict[str, float], bool]:
+    """Median seconds per step of each configuration, measured round robin, and whether
+    every swapped run ended bitwise equal to its plain twin. Everything built here is
+    freed on return (the sweep needs the memory)."""
     # The step alone, and the step inside training, plain and swapped side by side.
     step_model = copy.deepcopy(plain_model)
     step_opt = swapped(step_model, swap_times, True, gbps)
@@ -215,6 +212,27 @@ def measure(
         same(train_models["plain"], train_opts["plain"], train_models[k], train_opts[k])
         for k in ("prefetch", "no-prefetch")
     )
+
+    return t, exact
+
+
+def measure(
+    params: int, link: float, steps: int, rounds: int, batch: int, swap_times: int
+) -> dict[str, Any]:
+    """Every figure for one model size."""
+    plain_model = build(params)
+    n = sum(p.numel() for p in plain_model.parameters())
+    state_bytes = 2 * 4 * n
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
+    set_grads(plain_model, 0)
+    for _ in range(3):
+        plain.step()
+    update = statistics.median(timed(plain.step, plain, steps) for _ in range(rounds))
+    gbps = state_bytes / (link * update) / 1e9
+    link_s = state_bytes / (gbps * 1e9)
+
+    t, exact = _side_by_side(plain_model, gbps, state_bytes, steps, rounds, batch, swap_times)
+    gc.collect()
 
     # swap_times sweep: each swapped step next to a plain one, one config at a time.
     sweep = {}
@@ -351,17 +369,18 @@ def main(argv: list[str] | None = None) -> int:
                 measure(params, link, args.steps, args.rounds, args.batch, args.swap_times)
             )
             gc.collect()
-    markdown, rendered = tables(results, args.swap_times)
-    for table in rendered:
+            # Written after every measurement, so a run stopped early keeps what it had.
+            markdown = tables(results, args.swap_times)[0]
+            if args.markdown:
+                args.markdown.write_text(markdown)
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=2))
+    for table in tables(results, args.swap_times)[1]:
         Console().print(table)
     console.print(
         f"{os.cpu_count()} CPUs, {args.threads} intra-op thread(s), torch {torch.__version__}, "
         f"wall {time.perf_counter() - started:.0f} s"
     )
-    if args.markdown:
-        args.markdown.write_text(markdown)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
     return 0
 
 

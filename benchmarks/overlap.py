@@ -283,12 +283,12 @@ def measure(
 def tables(results: list[dict[str, Any]], swap_times: int) -> tuple[str, list[Table]]:
     """Markdown and rich renderings of the two tables."""
     head = (
-        "| params | L/U set | state MB | link GB/s | U ms | L ms | U+2L ms | S ms | S/U "
+        "| params | L/U set | L/U | state MB | link GB/s | U ms | L ms | U+2L ms | S ms | S/U "
         "| S/max(U,L) | S/(U+2L) | U‖L ms | S/(U‖L) | train plain ms | +prefetch ms "
         "| no prefetch ms | visible/L "
         "| visible/L no prefetch | bit-exact |"
     )
-    rows = [head, "|" + "---|" * 19]
+    rows = [head, "|" + "---|" * 20]
     main = Table(title=f"swapped step (swap_times={swap_times}, packed, loopback-async)")
     for column in head.strip("|").split("|"):
         main.add_column(column.strip())
@@ -296,6 +296,7 @@ def tables(results: list[dict[str, Any]], swap_times: int) -> tuple[str, list[Ta
         cells = [
             f"{r['params'] / 1e6:.1f}M",
             f"{r['link']:g}",
+            f"{r['link_ms'] / r['update_ms']:.2f}",
             f"{r['state_mb']:.0f}",
             f"{r['gbps']:.2f}",
             f"{r['update_ms']:.1f}",

@@ -207,9 +207,7 @@ class Pipeline:
         self.staged[j] = batch = self.staging.stage(j, self.batches[j])
         # Written only after the copy that used this memory before, and after the host
         # memory it reads was written by the previous step.
-        self.tickets[j] = self.runtime.copy_in(
-            batch.pairs, (batch.reuse_after, self.host_ready[j])
-        )
+        self.tickets[j] = self.runtime.copy_in(batch.pairs, (batch.reuse_after, self.host_ready[j]))
         self.h2d += batch.copy_bytes
 
     def _leave(self, j: int) -> None:

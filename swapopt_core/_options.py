@@ -85,27 +85,18 @@ def parse_mib(*, allow_none: bool, unit: int = 2**20) -> Callable[[object], floa
     """
 
     def parse(value: object) -> float | None:
-        word = _word(value)
-        if allow_none and (value is None or word in NONE_WORDS or word == ""):
-            return None
-        if word is not None:
-            try:
-                value = float(word)
-            except ValueError:
-                raise Invalid from None
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        number = _number(value, allow_none=allow_none)
+        if number is not None and not (0 <= number < float("inf") and number * unit <= MAX_BYTES):
             raise Invalid
-        if not 0 <= value < float("inf") or value * unit > MAX_BYTES:
-            raise Invalid
-        return float(value)
+        return number
 
     return parse
 
 
-def parse_rate(value: object) -> float | None:
-    """A finite number > 0 (or its text); empty or a ``NONE_WORDS`` word means no limit."""
+def _number(value: object, *, allow_none: bool) -> float | None:
+    """A number given as an int, a float or its text; ``None`` for "no value" if allowed."""
     word = _word(value)
-    if value is None or word in NONE_WORDS or word == "":
+    if allow_none and (value is None or word in NONE_WORDS or word == ""):
         return None
     if word is not None:
         try:
@@ -114,9 +105,15 @@ def parse_rate(value: object) -> float | None:
             raise Invalid from None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise Invalid
-    if not 0 < value < float("inf"):
-        raise Invalid
     return float(value)
+
+
+def parse_rate(value: object) -> float | None:
+    """A finite number > 0 (or its text); empty or a ``NONE_WORDS`` word means no limit."""
+    number = _number(value, allow_none=True)
+    if number is not None and not 0 < number < float("inf"):
+        raise Invalid
+    return number
 
 
 def parse_choice(choices: Callable[[], Collection[str]]) -> Callable[[object], str]:

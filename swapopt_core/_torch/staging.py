@@ -125,10 +125,11 @@ class PackedStaging:
         self.ledger = ledger
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self._signature: tuple[int, ...] = ()
-        self._sections: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> (byte offset, bytes)
+        # per arena: dtype -> (byte offset, bytes)
+        self._sections: list[dict[torch.dtype, tuple[int, int]]] = []
         self._regions: list[dict[torch.dtype, tuple[int, int]]] = []  # per batch: lo, hi
         self._arenas: list[torch.Tensor | None] = []
-        self._arena_bytes = 0
+        self._arena_bytes: list[int] = []
         self._last: list[Any] = []  # per arena: ticket of the last copy that used it
         self._device: torch.device | None = None
         self._kept: set[int] = set()  # arenas handed over to batches kept by a failure
@@ -166,25 +167,30 @@ class PackedStaging:
     # ---- device arenas -------------------------------------------------------------------
 
     def begin(self, batches: Sequence[Sequence[Slot]]) -> None:
+        """Plan the arenas: arena ``k`` holds batches ``k``, ``k + 3``, ... and is as large as
+        the widest of those (not of all batches), so uneven batches waste less memory."""
         self._regions = []
-        widest: dict[torch.dtype, int] = {}
-        for slots in batches:
+        count = min(ARENAS, len(batches))
+        widest: list[dict[torch.dtype, int]] = [{} for _ in range(count)]
+        for index, slots in enumerate(batches):
             regions: dict[torch.dtype, tuple[int, int]] = {}
             for slot in slots:
                 end = slot.offset + slot.host.numel()
                 lo, hi = regions.get(slot.host.dtype, (slot.offset, end))
                 regions[slot.host.dtype] = (min(lo, slot.offset), max(hi, end))
                 self._device = slot.device
+            sizes = widest[index % ARENAS]
             for dtype, (lo, hi) in regions.items():
-                widest[dtype] = max(widest.get(dtype, 0), (hi - lo) * dtype.itemsize)
+                sizes[dtype] = max(sizes.get(dtype, 0), (hi - lo) * dtype.itemsize)
             self._regions.append(regions)
-        offset = 0
-        self._sections = {}
-        for dtype in sorted(widest, key=str):
-            self._sections[dtype] = (offset, widest[dtype])
-            offset += -(-widest[dtype] // _ALIGN) * _ALIGN
-        self._arena_bytes = offset
-        count = min(ARENAS, len(batches)) if offset and self._device is not None else 0
+        self._sections, self._arena_bytes = [], []
+        for sizes in widest:
+            offset, sections = 0, {}
+            for dtype in sorted(sizes, key=str):
+                sections[dtype] = (offset, sizes[dtype])
+                offset += -(-sizes[dtype] // _ALIGN) * _ALIGN
+            self._sections.append(sections)
+            self._arena_bytes.append(offset)
         self._arenas = [None] * count  # each allocated when its first batch is staged
         self._last = [None] * count
 
@@ -193,9 +199,9 @@ class PackedStaging:
         if arena is None:
             assert self._device is not None
             arena = self._arenas[k] = self.runtime.alloc_device(
-                self._arena_bytes, torch.uint8, self._device
+                self._arena_bytes[k], torch.uint8, self._device
             )
-            self.ledger.add(self._arena_bytes)
+            self.ledger.add(self._arena_bytes[k])
         return arena
 
     def stage(self, index: int, slots: Sequence[Slot]) -> Staged:
@@ -206,7 +212,7 @@ class PackedStaging:
                     if slot.host.dtype == dtype:
                         staged.views[slot] = torch.empty_like(slot.host, device=self._device)
                 continue
-            start, nbytes = self._sections[dtype]
+            start, nbytes = self._sections[index % ARENAS][dtype]
             section = self._arena(index % ARENAS).narrow(0, start, nbytes).view(dtype)
             region = self.buffers[dtype].narrow(0, lo, hi - lo)
             staged.pairs.append((section.narrow(0, 0, hi - lo), region))

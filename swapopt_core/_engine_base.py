@@ -70,8 +70,9 @@ class EngineBase(ABC):
         self.kept: list[Any] = []
         #: The last step was updated and counted, but an observer raised before all saw it.
         self.observers_owed = False
-        #: Ticket of the last step's last copy out: host state is final once it is done.
-        self.last_out: Any = None
+        #: The last step's pipeline while its copies may still run (``Pipeline`` has their
+        #: tickets); ``None`` once they are known to be done.
+        self.previous: Any = None
 
     # ---- what each backend implements --------------------------------------------------
 
@@ -135,7 +136,12 @@ class EngineBase(ABC):
         """Block until every queued copy finished (batches kept on the device stay there)."""
         # The host copies are read (or rewritten) next: every copy into them must be done.
         self.runtime.synchronize()
-        self.last_out = None
+        self.previous = None
+
+    @property
+    def last_out(self) -> Any:
+        """Ticket of the last step's last copy out (``None``: nothing in flight)."""
+        return None if self.previous is None else self.previous.last_out
 
     def finish_step(self, h2d: int, d2h: int, batches: int, *, resumed: bool = False) -> None:
         """Count a completed step and tell the observers.

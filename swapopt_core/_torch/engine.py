@@ -72,8 +72,6 @@ class SwapEngine(EngineBase):
         self._handles: list[Any] = []
         self.checkpoint = CheckpointHooks(self)
         self.prefetch = BackwardPrefetch(self)
-        #: The last step's pipeline: its copies out wrote what the next step copies in.
-        self.previous: Pipeline | None = None
         # Units finished by a step that was then interrupted, with the grad they used.
         self._finished: dict[int, tuple[torch.Tensor, int]] = {}
         self._unsilence: Callable[[], None] | None = None
@@ -344,12 +342,13 @@ class SwapEngine(EngineBase):
                 pipeline.run(update, self.kept)
             except BaseException:
                 self._finished.update(done)
-                self.last_out, self.previous = None, None  # drained by the recovery
+                self.previous = None  # drained by the recovery
                 raise
             h2d, d2h = pipeline.h2d, pipeline.d2h
             # The step ends with its copies queued; the next one's copies in wait for these.
-            self.previous = pipeline
-            self.last_out = pipeline.last_out or self.last_out
+            # A step without batches queued none: the copies before it are still the ones.
+            if pipeline.batches:
+                self.previous = pipeline
             self.prefetch.remember(plan)
         # Until the observers have seen the step, a call with the same gradients only
         # tells them again.

@@ -19,6 +19,7 @@ from swapopt_core._options import MAX_BYTES
 
 __all__ = [
     "MAX_BYTES",
+    "as_bool",
     "as_int",
     "as_list",
     "as_number",
@@ -73,6 +74,12 @@ def as_object(value: object, path: str) -> dict[str, Any]:
 def as_list(value: object, path: str) -> list[Any]:
     if not isinstance(value, list):
         fail(path, value, "a JSON array")
+    return value
+
+
+def as_bool(value: object, path: str) -> bool:
+    if not isinstance(value, bool):
+        fail(path, value, "true or false")
     return value
 
 

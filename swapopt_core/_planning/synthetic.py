@@ -11,6 +11,13 @@ Durations come from a roofline: matmuls (and attention) from their FLOPs at ``tf
 everything else from the bytes it reads and writes at ``hbm_tbps``, plus a launch cost.
 Sizes are bf16 (fp32 for the norm and attention statistics). Both copy directions run at
 ``link_gbps``.
+
+Ops that give the same bits when run again on the same inputs are marked ``recompute``: the
+embedding lookup, norms, RoPE, SiLU, the gated multiply, residual adds, the matmuls (priced by
+their duration), the flash attention forward, and the backward ops that create a fresh
+gradient from their inputs. Not marked: ops that accumulate into a storage they read (the
+``accumulate`` matmuls), the weight gradients (parameter storages), and the attention backward
+(flash kernels sum ``dq`` with atomics, so its bits vary from run to run).
 """
 
 from __future__ import annotations
@@ -70,9 +77,19 @@ class _Builder:
         return self.next_param
 
     def op(
-        self, name: str, reads: tuple[int, ...], writes: tuple[int, ...], *, flops: float = 0.0
+        self,
+        name: str,
+        reads: tuple[int, ...],
+        writes: tuple[int, ...],
+        *,
+        flops: float = 0.0,
+        recompute: bool = True,
     ) -> None:
-        """Add an op: a matmul-like one if ``flops`` is given, else memory-bound."""
+        """Add an op: a matmul-like one if ``flops`` is given, else memory-bound.
+
+        ``recompute`` marks it pure and deterministic; an op that writes a storage it reads
+        never is.
+        """
         if flops:
             ms = flops / self.flop_per_ms
         else:
@@ -81,7 +98,8 @@ class _Builder:
         kinds = {s: AccessKind.READ for s in reads}
         kinds.update({s: AccessKind.WRITE for s in writes})
         accesses = tuple(Access(s, k) for s, k in kinds.items())
-        self.ops.append(TraceOp(name, ms + self.launch_ms, accesses))
+        pure = recompute and not set(reads) & set(writes)
+        self.ops.append(TraceOp(name, ms + self.launch_ms, accesses, pure))
 
     def matmul(
         self,
@@ -96,7 +114,7 @@ class _Builder:
         accumulate: bool = False,
     ) -> None:
         reads = (a, w, out) if accumulate else (a, w)
-        self.op(name, reads, (out,), flops=2.0 * m * k * n)
+        self.op(name, reads, (out,), flops=2.0 * m * k * n)  # accumulating: not pure
 
 
 def llama_training_trace(
@@ -176,7 +194,7 @@ def llama_training_trace(
     b.op("cross_entropy_bwd", (logits, lse_loss), (dlogits,))
     dnf = b.new(t * h * act)
     b.matmul("lm_head_bwd_input", dlogits, wh, dnf, t, v, h)
-    b.op("lm_head_bwd_weight", (dlogits, nf), (b.param(),), flops=2.0 * t * v * h)
+    b.op("lm_head_bwd_weight", (dlogits, nf), (b.param(),), flops=2.0 * t * v * h, recompute=False)
     dx = b.new(t * h * act)
     b.op("final_norm_bwd", (dnf, x, rf), (dx,))
 
@@ -185,7 +203,7 @@ def llama_training_trace(
         x, n1, r1, qr, kr, vv, out, lse, h1, n2, r2, g, a, u, m, w = saved[layer]
         dm = b.new(t * f * act)
         b.matmul(p + "down_bwd_input", dx, w["d"], dm, t, h, f)
-        b.op(p + "down_bwd_weight", (dx, m), (b.param(),), flops=2.0 * t * h * f)
+        b.op(p + "down_bwd_weight", (dx, m), (b.param(),), flops=2.0 * t * h * f, recompute=False)
         da, du = b.new(t * f * act), b.new(t * f * act)
         b.op(p + "mul_bwd", (dm, a, u), (da, du))
         dg = b.new(t * f * act)
@@ -193,18 +211,28 @@ def llama_training_trace(
         dn2 = b.new(t * h * act)
         b.matmul(p + "gate_bwd_input", dg, w["g"], dn2, t, f, h)
         b.matmul(p + "up_bwd_input", du, w["u"], dn2, t, f, h, accumulate=True)
-        b.op(p + "gate_bwd_weight", (dg, n2), (b.param(),), flops=2.0 * t * h * f)
-        b.op(p + "up_bwd_weight", (du, n2), (b.param(),), flops=2.0 * t * h * f)
+        for name, grad in (("gate", dg), ("up", du)):
+            b.op(
+                p + f"{name}_bwd_weight",
+                (grad, n2),
+                (b.param(),),
+                flops=2.0 * t * h * f,
+                recompute=False,
+            )
         dh1n = b.new(t * h * act)
         b.op(p + "rmsnorm2_bwd", (dn2, h1, r2), (dh1n,))
         dh1 = b.new(t * h * act)
         b.op(p + "residual2_bwd", (dx, dh1n), (dh1,))
         dout = b.new(t * h * act)
         b.matmul(p + "o_bwd_input", dh1, w["o"], dout, t, h, h)
-        b.op(p + "o_bwd_weight", (dh1, out), (b.param(),), flops=2.0 * t * h * h)
+        b.op(p + "o_bwd_weight", (dh1, out), (b.param(),), flops=2.0 * t * h * h, recompute=False)
         dq, dk, dv = b.new(t * h * act), b.new(t * hkv * act), b.new(t * hkv * act)
         b.op(
-            p + "attention_bwd", (dout, qr, kr, vv, out, lse), (dq, dk, dv), flops=2.5 * attn_flops
+            p + "attention_bwd",
+            (dout, qr, kr, vv, out, lse),
+            (dq, dk, dv),
+            flops=2.5 * attn_flops,
+            recompute=False,  # atomics sum dq: not bit-reproducible
         )
         dqr, dkr = b.new(t * h * act), b.new(t * hkv * act)
         b.op(p + "rope_bwd", (dq, dk), (dqr, dkr))
@@ -214,13 +242,19 @@ def llama_training_trace(
         b.matmul(p + "v_bwd_input", dv, w["v"], dn1, t, hkv, h, accumulate=True)
         for name, grad in (("q", dqr), ("k", dkr), ("v", dv)):
             cols = h if name == "q" else hkv
-            b.op(p + f"{name}_bwd_weight", (grad, n1), (b.param(),), flops=2.0 * t * h * cols)
+            b.op(
+                p + f"{name}_bwd_weight",
+                (grad, n1),
+                (b.param(),),
+                flops=2.0 * t * h * cols,
+                recompute=False,
+            )
         dxn = b.new(t * h * act)
         b.op(p + "rmsnorm1_bwd", (dn1, x, r1), (dxn,))
         dx_prev = b.new(t * h * act)
         b.op(p + "residual1_bwd", (dh1, dxn), (dx_prev,))
         dx = dx_prev
-    b.op("embed_bwd", (dx,), (b.param(),))
+    b.op("embed_bwd", (dx,), (b.param(),), recompute=False)
 
     return ActivationTrace(
         tuple(b.ops), b.sizes, frozenset({loss}), memory_limit_bytes, link_gbps, link_gbps

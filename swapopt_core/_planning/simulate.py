@@ -11,46 +11,69 @@ Actions, issued at compute time ``t``:
   happens. Otherwise the copy runs on the D2H stream from ``max(t, D2H stream free, end of a
   copy into s still running)``; the host copy counts in host bytes from the issue on. ``s``
   stays on the device.
-* ``RELEASE_DEVICE(s)``: if ``s`` is on the device and has a valid host copy, compute waits
-  until every copy using ``s`` has finished (``t = max(t, D2H end of s, H2D end of s)``), then
-  ``s`` is freed. Without a valid host copy, or when ``s`` is not on the device, it does
-  nothing (counted in ``ignored_actions``).
+* ``RELEASE_DEVICE(s)``: if ``s`` is on the device and has a valid host copy, or can be
+  recomputed (below), compute waits until every copy using ``s`` has finished
+  (``t = max(t, D2H end of s, H2D end of s)``), then ``s`` is freed. Otherwise it does nothing
+  (counted in ``ignored_actions``).
 * ``COPY_H2D(s)``: if ``s`` is on the device nothing happens (ignored). Otherwise ``s`` needs a
   valid host copy; it is allocated at ``t`` (it counts as resident from then on, in flight or
   not) and copied on the H2D stream from ``max(t, H2D stream free, D2H end of s)``. Ops that
   access ``s`` wait for the end of that copy.
 * ``RELEASE_HOST(s)``: drops a host copy of a storage that is on the device (host bytes only);
   otherwise ignored.
+* ``RECOMPUTE(s)``: if ``s`` is on the device nothing happens (ignored). Otherwise the op that
+  made ``s`` runs again on the compute stream: ``s`` must be recomputable and its producer's
+  inputs on the device (a reload in flight counts: the recompute waits for it). ``s`` is
+  allocated when the recompute starts and the compute clock advances by the producer's
+  duration. A valid host copy of ``s`` stays valid (the bytes are the same).
+
+**Recomputable.** The producer of ``s`` is the op of its first access, a write by an op marked
+``recompute``. With ``k`` the last op that has run (``i - 1`` in ``pre`` of op ``i``, ``i`` in
+``post``), ``s`` is recomputable when nothing in ops ``producer+1 .. k`` wrote ``s`` or any of
+the producer's *inputs* (the storages it accessed and did not create), and no input has been
+freed. A release without a host copy asks more: that this holds until ``s`` is next read (or
+until the end, for a kept output), inputs still alive then. Other outputs of the producer are
+temporaries of the recompute and are not counted.
 
 Op ``i``: a storage appears on the device at the start of its first access (normally the
-write that creates it). An accessed storage that is not on the device is demand-fetched:
-allocated, copied on the H2D stream (after whatever that stream is doing) while compute waits.
-The op starts at ``max(t, ends of the copies into the storages it accesses)`` and runs for its
-duration; a write makes the host copy stale (it is never copied back; a copy out still running
-does not delay the write, it only fills that stale copy). Natural free: after the
-post actions of op ``i``, every storage whose last access is op ``i`` and that is not retained
-leaves the device, with its host copy. Storage ids absent from ``storage_sizes`` never count.
+write that creates it). An accessed storage that is not on the device is brought back on
+demand: with a valid host copy it is allocated and copied on the H2D stream (after whatever
+that stream is doing) while compute waits (``demand_fetches``); without one, a recomputable
+storage is recomputed, its inputs brought back first by the same rule
+(``demand_recomputes``). The op starts at ``max(t, ends of the copies into the storages it
+accesses, ends of the copies out of the storages it writes)`` and runs for its duration; a
+write makes the host copy stale (it is never copied back). Natural free: after the post
+actions of op ``i``, every storage whose last access is op ``i`` and that is not retained
+leaves the device, with its host copy; its memory returns when the copies still using it end
+(at ``t`` when none runs). Retained storages must be on the device when the step ends: one
+still off is brought back then, and the step ends when the last copy into one lands. Storage
+ids absent from ``storage_sizes`` never count.
 
 Errors (``ValueError`` naming the op and the storage): an action on a storage absent from
 ``storage_sizes`` or at an op index outside the trace, ``COPY_D2H`` of a storage that is not on
-the device, ``COPY_H2D`` of a storage without a valid host copy, and a demand fetch of a storage
-that has no valid host copy.
+the device, ``COPY_H2D`` of a storage without a valid host copy, ``RECOMPUTE`` of a storage that
+cannot be recomputed there or whose inputs are off the device, and an access to a storage that
+has neither a valid host copy nor a way to be recomputed.
 """
 
 from __future__ import annotations
 
+import heapq
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.ir import ActionKind, ActivationTrace, ResidencySchedule
 
-__all__ = ["CopySpan", "SimulationResult", "TraceIndex", "simulate"]
+__all__ = ["CopySpan", "RecomputeSpan", "SimulationResult", "TraceIndex", "simulate"]
 
-_D2H, _RELEASE, _H2D, _RELEASE_HOST = (
+_D2H, _RELEASE, _H2D, _RELEASE_HOST, _RECOMPUTE = (
     ActionKind.COPY_D2H,
     ActionKind.RELEASE_DEVICE,
     ActionKind.COPY_H2D,
     ActionKind.RELEASE_HOST,
+    ActionKind.RECOMPUTE,
 )
 
 
@@ -63,6 +86,16 @@ class CopySpan:
     start_ms: float
     end_ms: float
     nbytes: int
+
+
+@dataclass(frozen=True)
+class RecomputeSpan:
+    """One recompute as it ran: the storage, the op that made it, times in ms."""
+
+    storage_id: int
+    op: int
+    start_ms: float
+    end_ms: float
 
 
 @dataclass(frozen=True)
@@ -80,6 +113,10 @@ class SimulationResult:
         release_wait_ms: Part of the stall spent in releases waiting for copies.
         reload_wait_ms: Part spent by ops waiting for planned copies.
         demand_fetch_ms: Part spent by ops waiting for demand fetches.
+        recomputes: Planned recomputes that ran.
+        demand_recomputes: Recomputes an access forced because nothing brought the storage
+            back.
+        recompute_ms: Part of the stall spent recomputing (planned and on demand).
         peak_host_bytes: Peak bytes of host copies.
         d2h_bytes: Bytes copied device to host.
         h2d_bytes: Bytes copied host to device (demand fetches included).
@@ -87,6 +124,7 @@ class SimulationResult:
         timeline: ``(time_ms, resident_bytes)`` after every change of residency.
         copies: Every copy that ran.
         op_start_ms: When each op started.
+        recomputed: Every recompute that ran (drawn on the compute lane).
     """
 
     total_ms: float
@@ -106,67 +144,10 @@ class SimulationResult:
     timeline: tuple[tuple[float, int], ...]
     copies: tuple[CopySpan, ...]
     op_start_ms: tuple[float, ...]
-
-
-class TraceIndex:
-    """Per-op and per-storage views of a trace that the simulator, planner and bounds share.
-
-    Only storages listed in ``storage_sizes`` appear. ``accesses[i]`` holds ``(sid, wrote)``
-    once per storage; ``first``/``last`` are access op indices; ``starts[i]`` is op ``i``'s
-    start with no stall; ``natural[i]`` the resident bytes during op ``i`` with no actions;
-    ``working[i]`` the bytes op ``i`` itself touches or creates.
-    """
-
-    def __init__(self, trace: ActivationTrace) -> None:
-        sizes = trace.storage_sizes
-        self.trace = trace
-        self.sizes: dict[int, int] = dict(sizes)
-        self.n = len(trace.ops)
-        self.retained = trace.retained_sids
-        self.durations = [float(op.duration_ms) for op in trace.ops]
-        self.accesses: list[list[tuple[int, bool]]] = []
-        self.by_storage: dict[int, list[tuple[int, bool]]] = {}
-        starts, clock = [], 0.0
-        for i, op in enumerate(trace.ops):
-            starts.append(clock)
-            clock += self.durations[i]
-            merged: dict[int, bool] = {}
-            for access in op.accesses:
-                if access.storage_id in sizes:
-                    wrote = access.kind.value == "WRITE"
-                    merged[access.storage_id] = merged.get(access.storage_id, False) or wrote
-            self.accesses.append(list(merged.items()))
-            for sid, wrote in merged.items():
-                self.by_storage.setdefault(sid, []).append((i, wrote))
-        self.starts = starts
-        self.total_ms = clock
-        self.first = {sid: acc[0][0] for sid, acc in self.by_storage.items()}
-        self.last = {sid: acc[-1][0] for sid, acc in self.by_storage.items()}
-        self.created_at: list[list[int]] = [[] for _ in range(self.n)]
-        self.freed_at: list[list[int]] = [[] for _ in range(self.n)]
-        for sid, op in self.first.items():
-            self.created_at[op].append(sid)
-        for sid, op in self.last.items():
-            if sid not in self.retained:
-                self.freed_at[op].append(sid)
-        natural, resident = [], 0
-        for i in range(self.n):
-            resident += sum(sizes[s] for s in self.created_at[i])
-            natural.append(resident)
-            resident -= sum(sizes[s] for s in self.freed_at[i])
-        self.natural = natural
-        self.natural_peak = max(natural, default=0)
-        self.working = [sum(sizes[s] for s, _ in acc) for acc in self.accesses]
-        # Retained storages past their last access stay on the device (nobody releases them).
-        idle_retained, kept = [], 0
-        ends = {}
-        for sid in self.retained:
-            if sid in self.last:
-                ends.setdefault(self.last[sid], []).append(sid)
-        for i in range(self.n):
-            idle_retained.append(kept)
-            kept += sum(sizes[s] for s in ends.get(i, ()))
-        self.idle_retained = idle_retained
+    recomputes: int = 0
+    demand_recomputes: int = 0
+    recompute_ms: float = 0.0
+    recomputed: tuple[RecomputeSpan, ...] = ()
 
 
 class Machine:
@@ -191,25 +172,66 @@ class Machine:
         self.host: dict[int, bool] = {}  # sid -> host copy valid
         self.d2h_end: dict[int, float] = {}
         self.h2d_end: dict[int, float] = {}
-        self.release_wait = self.reload_wait = self.fetch_wait = 0.0
-        self.fetches = 0
+        self.release_wait = self.reload_wait = self.fetch_wait = self.recompute_ms = 0.0
+        self.fetches = self.recomputes = self.demand_recomputes = 0
+        self.done = -1  # the last op that has run
+        self.pending: list[tuple[float, int]] = []  # (copy end, bytes): frees waiting on copies
         self.d2h_bytes = self.h2d_bytes = 0
         self.ignored = 0
         self.timeline: list[tuple[float, int]] = []
         self.copies: list[CopySpan] = []
         self.op_start: list[float] = []
+        self.recomputed: list[RecomputeSpan] = []
 
     def _alloc(self, nbytes: int, at: float) -> None:
+        pending = self.pending
+        while pending and pending[0][0] <= at:
+            when, freed = heapq.heappop(pending)
+            self.resident -= freed
+            if self.record:
+                self.timeline.append((when, self.resident))
         self.resident += nbytes
         if self.resident > self.peak:
             self.peak = self.resident
         if self.record:
             self.timeline.append((at, self.resident))
 
-    def _free(self, nbytes: int) -> None:
+    def _free(self, nbytes: int, when: float | None = None) -> None:
+        if when is not None and when > self.t:  # a copy still uses the block until ``when``
+            heapq.heappush(self.pending, (when, nbytes))
+            return
         self.resident -= nbytes
         if self.record:
             self.timeline.append((self.t, self.resident))
+
+    def _written(self, sid: int, after: int, upto: int) -> bool:
+        """Whether an op in ``after+1 .. upto`` writes ``sid``."""
+        ops = self.ix.writes.get(sid, ())
+        return bisect_right(ops, upto) > bisect_right(ops, after)
+
+    def recomputable(self, sid: int, upto: int | None = None) -> bool:
+        """Whether re-running ``sid``'s producer gives its bytes now (``upto=None``), or at
+        any point until op ``upto`` starts its successor (what a release needs: nothing may
+        spoil the recipe before the storage is read again)."""
+        ix = self.ix
+        op = ix.producer.get(sid)
+        if op is None or op > self.done or sid in self.dead:
+            return False
+        until = self.done if upto is None else upto
+        if self._written(sid, op, until):
+            return False
+        for x in ix.recompute_inputs[sid]:
+            if x in self.dead or self._written(x, op, until):
+                return False
+            if upto is not None and x not in ix.retained and ix.last[x] <= upto:
+                return False  # freed before the storage is needed again
+        return True
+
+    def _needed_until(self, sid: int) -> int:
+        """The op before the next access of ``sid`` (the last op for a kept output)."""
+        ops = [op for op, _ in self.ix.by_storage.get(sid, ())]
+        k = bisect_right(ops, self.done)
+        return ops[k] - 1 if k < len(ops) else self.ix.n - 1
 
     def _known(self, sid: int, where: str, kind: ActionKind) -> int:
         size = self.ix.sizes.get(sid)
@@ -238,7 +260,9 @@ class Machine:
 
     def release_device(self, sid: int, where: str) -> None:
         size = self._known(sid, where, _RELEASE)
-        if sid not in self.on_device or not self.host.get(sid):
+        if sid not in self.on_device or not (
+            self.host.get(sid) or self.recomputable(sid, self._needed_until(sid))
+        ):
             self.ignored += 1
             return
         ready = max(self.d2h_end.get(sid, 0.0), self.h2d_end.get(sid, 0.0))
@@ -277,6 +301,61 @@ class Machine:
         del self.host[sid]
         self.host_bytes -= size
 
+    def recompute(self, sid: int, where: str, *, demand: bool = False) -> None:
+        """Make ``sid`` again by re-running its producer (``RECOMPUTE``, or on demand)."""
+        size = self._known(sid, where, _RECOMPUTE)
+        if sid in self.on_device:
+            self.ignored += 1
+            return
+        if not self.recomputable(sid):
+            raise ValueError(
+                f"RECOMPUTE {where}: storage {sid} cannot be recomputed there (its producer is "
+                "not marked recompute, or it or the producer's inputs were written or freed "
+                "since)."
+            )
+        op = self.ix.producer[sid]
+        inputs = self.ix.recompute_inputs[sid]
+        for x in inputs:
+            if x not in self.on_device:
+                if not demand:
+                    raise ValueError(
+                        f"RECOMPUTE {where}: storage {sid} needs storage {x}, the input of op "
+                        f"{op}, on the device; bring it back first."
+                    )
+                self.demand(x, where)
+        ready = max((self.h2d_end.get(x, 0.0) for x in inputs), default=0.0)
+        if ready > self.t:  # the producer's inputs are still being copied in
+            self.reload_wait += ready - self.t
+            self.t = ready
+        self._alloc(size, self.t)
+        self.on_device.add(sid)
+        start, self.t = self.t, self.t + self.ix.durations[op]
+        self.recompute_ms += self.ix.durations[op]
+        if demand:
+            self.demand_recomputes += 1
+        else:
+            self.recomputes += 1
+        if self.record:
+            self.recomputed.append(RecomputeSpan(sid, op, start, self.t))
+
+    def demand(self, sid: int, where: str) -> None:
+        """Bring ``sid`` back because something needs it now: fetch it, or recompute it."""
+        size = self.ix.sizes[sid]
+        if self.host.get(sid) and sid not in self.dead:
+            self._alloc(size, self.t)
+            self.on_device.add(sid)
+            end = self._copy_in(sid, size, self.t)
+            self.fetches += 1
+            self.fetch_wait += end - self.t
+            self.t = end
+        elif self.recomputable(sid):
+            self.recompute(sid, where, demand=True)
+        else:
+            raise ValueError(
+                f"{where} accesses storage {sid}, which is released without a valid host copy "
+                "and cannot be recomputed: it cannot be brought back."
+            )
+
     def apply(self, kind: ActionKind, sid: int, where: str) -> None:
         if kind is _D2H:
             self.copy_d2h(sid, where)
@@ -284,6 +363,8 @@ class Machine:
             self.release_device(sid, where)
         elif kind is _H2D:
             self.copy_h2d(sid, where)
+        elif kind is _RECOMPUTE:
+            self.recompute(sid, where)
         else:
             self.release_host(sid, where)
 
@@ -295,28 +376,23 @@ class Machine:
             if sid not in self.on_device:
                 self.on_device.add(sid)
                 self._alloc(sizes[sid], start)
-        waited = start
-        for sid, wrote in ix.accesses[i]:
+        for sid, _ in ix.accesses[i]:
             if sid not in self.on_device:
-                if not self.host.get(sid):
-                    raise ValueError(
-                        f"op {i} accesses storage {sid}, which is released without a valid "
-                        "host copy: it cannot be fetched back."
-                    )
-                self._alloc(sizes[sid], waited)
-                self.on_device.add(sid)
-                end = self._copy_in(sid, sizes[sid], waited)
-                self.fetches += 1
-                self.fetch_wait += end - waited
-                waited = end
+                self.demand(sid, f"op {i}")
+        waited = self.t
+        for sid, wrote in ix.accesses[i]:
             ready = self.h2d_end.get(sid, 0.0)
-            if wrote and sid in self.host:
-                self.host[sid] = False  # a copy out still running only feeds a stale copy
+            if wrote:
+                # A writer waits for a copy out still reading the storage.
+                ready = max(ready, self.d2h_end.get(sid, 0.0))
+                if sid in self.host:
+                    self.host[sid] = False
             if ready > waited:
                 self.reload_wait += ready - waited
                 waited = ready
         self.op_start.append(waited)
         self.t = waited + ix.durations[i]
+        self.done = i
 
     def natural_free(self, i: int) -> None:
         sizes = self.ix.sizes
@@ -327,7 +403,17 @@ class Machine:
                 self.host_bytes -= sizes[sid]
             if sid in self.on_device:
                 self.on_device.discard(sid)
-                self._free(sizes[sid])
+                busy = max(self.d2h_end.get(sid, 0.0), self.h2d_end.get(sid, 0.0))
+                self._free(sizes[sid], busy)
+
+    def finish(self) -> None:
+        """The step ends once every retained storage is back on the device."""
+        for sid in sorted(self.ix.retained):
+            if sid not in self.ix.sizes or sid not in self.ix.first:
+                continue
+            if sid not in self.on_device:
+                self.demand(sid, "the end of the step")
+            self.t = max(self.t, self.h2d_end.get(sid, 0.0))
 
     def result(self) -> SimulationResult:
         compute = self.ix.total_ms
@@ -350,6 +436,10 @@ class Machine:
             timeline=tuple(self.timeline),
             copies=tuple(self.copies),
             op_start_ms=tuple(self.op_start),
+            recomputes=self.recomputes,
+            demand_recomputes=self.demand_recomputes,
+            recompute_ms=self.recompute_ms,
+            recomputed=tuple(self.recomputed),
         )
 
 
@@ -396,4 +486,5 @@ def simulate(
         for action in post.get(i, ()):
             machine.apply(action.kind, action.storage_id, f"after op {i}")
         machine.natural_free(i)
+    machine.finish()
     return machine.result()

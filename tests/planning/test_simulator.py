@@ -146,14 +146,14 @@ def test_a_write_makes_the_host_copy_stale():
     trace = make_trace([{1: "W"}, {1: "W"}, {}, {1: "R"}], {1: MB})
     plan = schedule(post=[(0, 1, D2H), (1, 1, RELEASE)])
     result = simulate(trace, plan)
-    assert result.op_start_ms[1] == pytest.approx(1.0)  # the copy out does not delay it
+    assert result.op_start_ms[1] == pytest.approx(2.0)  # the writer waits for the copy out
     assert result.ignored_actions == 1  # the release has no valid host copy: nothing happens
     assert result.peak_bytes == MB and result.demand_fetches == 0
     # A fresh copy out after the write makes the release effective again.
     plan = schedule(post=[(0, 1, D2H), (1, 1, D2H), (1, 1, RELEASE)], pre=[(3, 1, H2D)])
     result = simulate(trace, plan)
     assert result.ignored_actions == 0 and result.d2h_bytes == 2 * MB
-    assert result.release_wait_ms == pytest.approx(1.0)  # the second copy runs 2..3
+    assert result.release_wait_ms == pytest.approx(1.0)  # the second copy runs 3..4
 
 
 def test_redundant_actions_are_ignored():
@@ -213,3 +213,120 @@ def test_zero_duration_ops_and_empty_trace():
     assert simulate(make_trace([], {})).overhead == 0.0
     result = simulate(make_trace([(0.0, {1: "W"}), (0.0, {1: "R"})], {1: MB}))
     assert result.total_ms == 0.0 and result.overhead == 0.0 and result.peak_bytes == MB
+
+
+# ---- recompute -------------------------------------------------------------------------------
+
+RECOMPUTE = ActionKind.RECOMPUTE
+
+
+def pure(trace: ActivationTrace, *ops: int, duration: float | None = None) -> ActivationTrace:
+    """``trace`` with ``ops`` marked recomputable (and lasting ``duration`` if given)."""
+    marked = list(trace.ops)
+    for i in ops:
+        op = marked[i]
+        marked[i] = TraceOp(
+            op.name, op.duration_ms if duration is None else duration, op.accesses, True
+        )
+    return ActivationTrace(
+        tuple(marked),
+        trace.storage_sizes,
+        trace.retained_sids,
+        trace.memory_limit_bytes,
+        trace.d2h_bandwidth_gbps,
+        trace.h2d_bandwidth_gbps,
+    )
+
+
+# Storage 1 (input, kept) is read by op 1, which makes storage 2; both are read again by op 5.
+CHAIN = make_trace([{1: "W"}, {1: "R", 2: "W"}, {}, {}, {}, {1: "R", 2: "R"}], {1: MB, 2: 4 * MB})
+
+
+def test_a_recomputable_storage_is_released_without_a_host_copy_and_made_again():
+    trace = pure(CHAIN, 1, duration=0.5)
+    plan = schedule(post=[(1, 2, RELEASE)], pre=[(5, 2, RECOMPUTE)])
+    result = simulate(trace, plan)
+    assert result.ignored_actions == 0 and result.d2h_bytes == 0 and result.h2d_bytes == 0
+    assert result.recomputes == 1 and result.demand_recomputes == 0
+    assert result.recompute_ms == pytest.approx(0.5)
+    assert result.total_ms == pytest.approx(result.compute_ms + 0.5)
+    assert result.op_start_ms[5] == pytest.approx(5.0)  # op 1 lasts 0.5: 4.5 + the recompute
+    assert result.peak_bytes == 5 * MB  # back for op 5 only
+    assert result.recomputed[0].storage_id == 2 and result.recomputed[0].op == 1
+    assert (result.recomputed[0].start_ms, result.recomputed[0].end_ms) == (4.5, 5.0)
+    # From op 1's end until the recompute only the input is resident.
+    assert [b for t, b in result.timeline if 1.5 <= t < 4.5] == [MB]
+
+
+def test_without_a_recompute_action_the_access_recomputes_on_demand():
+    trace = pure(CHAIN, 1, duration=0.5)
+    result = simulate(trace, schedule(post=[(1, 2, RELEASE)]))
+    assert result.recomputes == 0 and result.demand_recomputes == 1
+    assert result.total_ms == pytest.approx(6.0)  # 5.5 of compute, 0.5 recomputing
+
+
+def test_an_op_not_marked_recompute_keeps_its_storage_without_a_host_copy():
+    result = simulate(CHAIN, schedule(post=[(1, 2, RELEASE)]))
+    assert result.ignored_actions == 1 and result.peak_bytes == 5 * MB
+    with pytest.raises(ValueError, match="storage 2 cannot be recomputed"):
+        simulate(CHAIN, schedule(pre=[(5, 2, RECOMPUTE)], post=[(1, 2, D2H), (2, 2, RELEASE)]))
+
+
+def test_a_recompute_needs_its_inputs_unchanged_and_on_the_device():
+    written = make_trace(
+        [{1: "W"}, {1: "R", 2: "W"}, {1: "W"}, {}, {}, {1: "R", 2: "R"}], {1: MB, 2: 4 * MB}
+    )
+    trace = pure(written, 1)
+    result = simulate(trace, schedule(post=[(1, 2, RELEASE)]))
+    assert result.ignored_actions == 1  # not released: its input changes at op 2
+    # Released with a host copy, it cannot be made again after its input changed.
+    away = schedule(post=[(1, 2, D2H), (1, 2, RELEASE)], pre=[(5, 2, RECOMPUTE)])
+    with pytest.raises(ValueError, match="storage 2 cannot be recomputed"):
+        simulate(trace, away)
+    trace = pure(CHAIN, 1)
+    away = schedule(post=[(1, 1, D2H), (1, 2, RELEASE), (2, 1, RELEASE)], pre=[(5, 2, RECOMPUTE)])
+    with pytest.raises(ValueError, match="needs storage 1"):
+        simulate(trace, away)
+    # Brought back first, the recompute waits for that copy.
+    back = schedule(
+        post=[(1, 1, D2H), (1, 2, RELEASE), (2, 1, RELEASE)],
+        pre=[(5, 1, H2D), (5, 2, RECOMPUTE)],
+    )
+    result = simulate(trace, back)
+    assert result.recomputes == 1 and result.reload_wait_ms == pytest.approx(1.0)
+    # On demand, the input is fetched first, then the storage recomputed.
+    result = simulate(trace, schedule(post=[(1, 1, D2H), (1, 2, RELEASE), (2, 1, RELEASE)]))
+    assert result.demand_fetches == 1 and result.demand_recomputes == 1
+
+
+def test_a_chain_is_recomputed_in_order():
+    chain = make_trace(
+        [{1: "W"}, {1: "R", 2: "W"}, {2: "R", 3: "W"}, {}, {}, {1: "R", 2: "R", 3: "R"}],
+        {1: MB, 2: 2 * MB, 3: 4 * MB},
+    )
+    trace = pure(chain, 1, 2, duration=0.25)
+    plan = schedule(
+        post=[(2, 2, RELEASE), (2, 3, RELEASE)], pre=[(5, 2, RECOMPUTE), (5, 3, RECOMPUTE)]
+    )
+    result = simulate(trace, plan)
+    assert result.recomputes == 2 and result.total_ms == pytest.approx(4.5 + 0.5)
+    with pytest.raises(ValueError, match="needs storage 2"):
+        simulate(trace, schedule(post=[(2, 2, RELEASE), (2, 3, RELEASE)], pre=[(5, 3, RECOMPUTE)]))
+
+
+def test_a_free_waits_for_the_copy_out_still_reading_the_storage():
+    # Storage 1 lives for op 0 only; its copy out (4 ms) outlasts it, storage 2 comes at op 1.
+    trace = make_trace([{1: "W"}, {2: "W"}, {2: "R"}], {1: 4 * MB, 2: MB})
+    result = simulate(trace, schedule(post=[(0, 1, D2H)]))
+    assert result.peak_bytes == 5 * MB  # the natural run peaks at 4 MB
+    assert result.natural_peak_bytes == 4 * MB
+
+
+def test_a_kept_output_offloaded_comes_back_before_the_step_ends():
+    trace = make_trace([{1: "W"}, {2: "W"}, {2: "R"}], {1: MB, 2: MB}, retained=[1])
+    plan = schedule(post=[(0, 1, D2H), (1, 1, RELEASE)])
+    result = simulate(trace, plan)
+    assert result.demand_fetches == 1 and result.total_ms == pytest.approx(4.0)
+    plan = schedule(post=[(0, 1, D2H), (1, 1, RELEASE), (1, 1, H2D)])
+    result = simulate(trace, plan)
+    assert result.demand_fetches == 0 and result.total_ms == pytest.approx(3.0)

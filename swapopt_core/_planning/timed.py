@@ -25,9 +25,15 @@ copy bandwidths:
    (best slack first) and the pass runs again, until the peak fits. Gaps chosen but never
    released are dropped at the end (their copies out would only load the link).
 
-Storages are never released at their last access (the natural free does it), and retained
-storages never after their last access. ``RELEASE_HOST`` follows the last reader that needs
-the host copy.
+Storages are never released at their last access (the natural free does it). A retained
+storage (an output the caller keeps) has one more gap, from its last access to the end of the
+step: released there, it is reloaded before the end (after the last op when nothing earlier
+has room), so the step ends with it on the device. ``RELEASE_HOST`` follows the last reader
+that needs the host copy.
+
+With ``recompute`` (the default), ``swapopt_core._planning.recompute`` first decides which
+storages to regenerate instead of moving, and runs this placer on a trace where those
+recomputes are ops.
 """
 
 from __future__ import annotations
@@ -38,9 +44,10 @@ from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
 
-from swapopt_core._planning.bounds import min_feasible_budget
+from swapopt_core._planning.bounds import floor_reason, format_bytes, min_feasible_budget
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ActionKind, ActivationTrace, ResidencySchedule
+from swapopt_core._planning.recompute import plan_with_recompute
 from swapopt_core._planning.simulate import Machine, TraceIndex, simulate
 
 logger = logging.getLogger(__name__)
@@ -76,6 +83,11 @@ class _Pass:
     total_ms: float
 
 
+def _start(ix: TraceIndex, op: int) -> float:
+    """When op ``op`` starts with no stall; ``ix.n`` stands for the end of the step."""
+    return ix.starts[op] if op < ix.n else ix.total_ms
+
+
 class _RangeMax:
     """Sparse table: the maximum of ``values[lo:hi]`` in O(1)."""
 
@@ -101,14 +113,20 @@ class TimedPlanner(ResidencyPlanner):
     The size threshold is the trace's ``min_offload_bytes``: smaller storages are offloaded
     only when the budget cannot be met otherwise (per-copy overheads dominate small copies).
 
+    With ``recompute`` (the default) it also regenerates storages whose producer can run
+    again (``swapopt_core._planning.recompute``) where that costs less than moving them.
+
     Args:
         max_rounds: Repair passes before giving up on an over-budget op.
+        recompute: Choose between keeping, offloading and recomputing; ``False`` plans
+            offloads only.
     """
 
     name = "timed"
 
-    def __init__(self, max_rounds: int = 64) -> None:
+    def __init__(self, max_rounds: int = 64, *, recompute: bool = True) -> None:
         self.max_rounds = int(max_rounds)
+        self.recompute = bool(recompute)
 
     def plan(self, trace: ActivationTrace) -> ResidencySchedule:
         """Plan ``trace`` under ``trace.memory_limit_bytes`` (see the module docstring)."""
@@ -119,15 +137,16 @@ class TimedPlanner(ResidencyPlanner):
         floor = min_feasible_budget(trace, index=ix)
         if budget < floor:
             logger.warning(
-                "Activation budget %.1f MiB is infeasible: some op needs %.1f MiB on the device "
-                "by itself. Planning for %.1f MiB instead.",
-                budget / 2**20,
-                floor / 2**20,
-                floor / 2**20,
+                "Activation budget %s is infeasible: no schedule holds less than %s, since %s. "
+                "Planning for %s instead.",
+                format_bytes(budget),
+                format_bytes(floor),
+                floor_reason(trace, index=ix),
+                format_bytes(floor),
             )
             budget = floor
-        best = self._search(ix, budget, trace.min_offload_bytes)
-        check = simulate(trace, best.schedule, record=False, index=ix)
+        schedule = self._plan(ix, budget, trace.min_offload_bytes)
+        check = simulate(trace, schedule, record=False, index=ix)
         if check.peak_bytes > budget:
             logger.warning(
                 "Activation plan peaks at %.1f MiB over the %.1f MiB budget.",
@@ -137,12 +156,20 @@ class TimedPlanner(ResidencyPlanner):
         logger.info(
             "timed planner: %d actions, simulated peak %.1f MiB (budget %.1f MiB), "
             "overhead %.1f %%",
-            len(best.schedule),
+            len(schedule),
             check.peak_bytes / 2**20,
             budget / 2**20,
             100 * check.overhead,
         )
-        return best.schedule
+        return schedule
+
+    def _plan(self, ix: TraceIndex, budget: int, min_bytes: int) -> ResidencySchedule:
+        def place(index: TraceIndex, limit: int) -> ResidencySchedule:
+            return self._search(index, limit, min_bytes).schedule
+
+        if not self.recompute:
+            return place(ix, budget)
+        return plan_with_recompute(ix, budget, place)
 
     # ---- search --------------------------------------------------------------------------
 
@@ -190,12 +217,15 @@ class TimedPlanner(ResidencyPlanner):
             if size <= 0:
                 continue
             last_write = accesses[0][0]
-            for (a, wrote), (b, _) in zip(accesses, accesses[1:], strict=False):
+            pairs = list(zip(accesses, accesses[1:], strict=False))
+            if sid in ix.retained:  # kept after the step: may stay off until the end
+                pairs.append((accesses[-1], (ix.n, False)))
+            for (a, wrote), (b, _) in pairs:
                 if wrote:
                     last_write = a
                 if b - a < 2:
                     continue
-                idle = ix.starts[b] - (ix.starts[last_write] + ix.durations[last_write])
+                idle = _start(ix, b) - (ix.starts[last_write] + ix.durations[last_write])
                 slack = idle - size / bw[0] - size / bw[1]
                 gaps.append(_Gap(len(gaps), sid, size, a, b, last_write, slack))
         return gaps
@@ -252,11 +282,11 @@ class _Placer:
         lead: dict[int, int] = {}
         stream_next = float("inf")
         for g in sorted(gaps, key=lambda g: (g.b, g.key), reverse=True):
-            end = min(starts[g.b], stream_next)
+            end = min(_start(self.ix, g.b), stream_next)
             begin = end - g.size / self.bw_h2d
             stream_next = begin
             # Walk back over op durations until the copy has started by ``begin``.
-            q = bisect_right(starts, begin, 0, g.b + 1) - 1
+            q = bisect_right(starts, begin, 0, min(g.b + 1, self.ix.n)) - 1
             lead[g.key] = min(g.b, max(g.a + 1, q))
         return lead
 
@@ -350,8 +380,29 @@ class _Placer:
                 if sid in m.host and sid in m.on_device:
                     sched.add_post(i, sid, _RELEASE_HOST)
                     m.release_host(sid, "")
+            if i == ix.n - 1:
+                self._reload_kept(sched, m, chosen, queue, state)
             m.natural_free(i)
+        m.finish()
         return _Pass(sched, deficits, set(released_at), m.t)
+
+    def _reload_kept(
+        self,
+        sched: ResidencySchedule,
+        m: Machine,
+        chosen: dict[int, _Gap],
+        queue: list,
+        state: dict[int, int],
+    ) -> None:
+        """Kept outputs still off the device come back after the last op, where the budget
+        allows (the rest the end of the step fetches, after the last op's frees)."""
+        last = self.ix.n - 1
+        while queue:
+            g = chosen[heapq.heappop(queue)[1]]
+            if m.resident + g.size <= self.budget:
+                sched.add_post(last, g.sid, _H2D)
+                m.copy_h2d(g.sid, "")
+                state[g.key] = _BACK
 
     @staticmethod
     def _reload(

@@ -133,13 +133,15 @@ def test_the_planner_keeps_its_budget_and_reloads_before_the_reader(
     result = simulate(limited, schedule)
     ceiling = max(limited.memory_limit_bytes, min_feasible_budget(limited))
     assert result.peak_bytes <= ceiling
-    assert result.demand_fetches == 0  # no reader ran before its reload
+    kept = limited.retained_sids  # a kept output may come back at the end, unread
+    # No reader ran before its reload (kept outputs may be fetched when the step ends).
+    assert result.demand_fetches <= len(kept)
     assert result.ignored_actions == 0
     for side, op, action in schedule.actions():
         if action.kind is ActionKind.COPY_H2D:
             first_use = op if side == "pre" else op + 1
             readers = [i for i, _ in ix.by_storage[action.storage_id] if i >= first_use]
-            assert readers, f"storage {action.storage_id} reloaded at {side} {op}, never read"
+            assert readers or action.storage_id in kept, f"{action} at {side} {op}, never read"
     bound = overhead_lower_bound(limited)
     if math.isfinite(bound) and result.peak_bytes <= limited.memory_limit_bytes:
         assert result.overhead >= bound - 1e-9

@@ -18,11 +18,14 @@ death, actions on versions to ``s``.
 point (the gated multiply reads the SiLU output), the input's recompute moves to the same
 place, ordered first (producers in trace order).
 
-**Choice.** Gaps are batched per op kind (the op name with its digits ignored, so one batch
-per kind across layers) and tried cheapest first (producer milliseconds per byte); a batch
-stays when the replayed schedule's overhead falls. Then each kept batch sheds its gaps that
-offloading hides best (largest link slack first, halves then quarters) while that helps,
-and each rejected batch is tried again on its gaps the link hides worst.
+**Choice.** Only gaps where the budget binds somewhere inside count. They are batched per
+op kind and gap (the op name with its digits ignored and the gap's rank among the storage's
+gaps, so one batch per layer-independent place) and tried cheapest first (producer
+milliseconds per byte, longer gaps first among equals); a batch stays when the replayed
+schedule's time falls. Then each kept batch sheds its gaps that offloading hides best
+(largest link slack first, a half, else a quarter) while that helps, and each rejected batch
+is tried again on its gaps the link hides worst. The search stops early once the overhead is
+negligible or ``MAX_TRIALS`` placements have run.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class RecomputeGap:
         producer: The op that made the storage and runs again.
         cost_ms: The producer's duration.
         size: The storage's bytes.
-        kind: The producer's name with digits ignored (one batch per kind of op).
+        kind: The producer's name with digits ignored and the gap's rank among the storage's
+            gaps: one batch per kind of op and gap, across layers.
         slack: The gap's offload slack: idle time minus the two copies (ms).
     """
 
@@ -77,12 +81,13 @@ class RecomputeGap:
     slack: float
 
 
-def recompute_gaps(ix: TraceIndex) -> list[RecomputeGap]:
+def recompute_gaps(ix: TraceIndex, budget: int | None = None) -> list[RecomputeGap]:
     """Every gap of every storage where the contract allows a recompute before the reader.
 
     The storage must be recomputable at ``b - 1`` (nothing after its producer writes it or an
-    input before ``b``) and every input must still be alive at ``b``. Gaps whose recompute
-    costs more than moving the bytes out and back are left out: offloading never costs more.
+    input before ``b``) and every input must still be alive at ``b``. Left out: gaps whose
+    recompute costs more than moving the bytes out and back (offloading never costs more),
+    and with a ``budget``, gaps during which the budget never binds (nothing to win).
     """
     trace = ix.trace
     bw_out, bw_in = trace.d2h_bandwidth_gbps * 1e6, trace.h2d_bandwidth_gbps * 1e6
@@ -101,13 +106,17 @@ def recompute_gaps(ix: TraceIndex) -> list[RecomputeGap]:
         alive = min(
             (ix.n if x in ix.retained else ix.last.get(x, -1) for x in inputs), default=ix.n
         )
-        kind = re.sub(r"\d+", "#", trace.ops[producer].name)
+        name = re.sub(r"\d+", "#", trace.ops[producer].name)
         accesses = ix.by_storage[sid]
-        for (a, _), (b, _) in zip(accesses, accesses[1:], strict=False):
-            if b - a < 2 or b > spoiled or b > alive:
+        pairs = [(a, b) for (a, _), (b, _) in zip(accesses, accesses[1:], strict=False)]
+        for k, (a, b) in enumerate((a, b) for a, b in pairs if b - a >= 2):
+            if b > spoiled or b > alive:
+                continue
+            if budget is not None and max(ix.natural[a + 1 : b]) <= budget:
                 continue
             idle = ix.starts[b] - ix.starts[a] - ix.durations[a]
             slack = idle - size / bw_out - size / bw_in
+            kind = f"{name} gap {k}"  # the same gap of the same op in every layer
             found.append(RecomputeGap(sid, a, b, producer, cost, size, kind, slack))
     return found
 
@@ -271,7 +280,7 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
         The schedule with the lowest simulated time among those tried (offload only
         included), preferring ones whose peak fits the budget.
     """
-    gaps = recompute_gaps(ix)
+    gaps = recompute_gaps(ix, budget)
     seen: dict[frozenset[RecomputeGap], _Trial] = {}
 
     def trial(chosen: frozenset[RecomputeGap]) -> _Trial:
@@ -291,7 +300,7 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
     batches: dict[str, list[RecomputeGap]] = defaultdict(list)
     for g in gaps:
         batches[g.kind].append(g)
-    order = sorted(batches, key=lambda k: sum(g.cost_ms for g in batches[k]) / _bytes(batches[k]))
+    order = sorted(batches, key=lambda k: _price(batches[k]))
     kept = []
     for kind in order:  # whole batches, cheapest per byte first
         if _settled(best, seen):
@@ -334,5 +343,7 @@ def _order(g: RecomputeGap) -> tuple[int, int, int]:
     return (g.producer, g.sid, g.a)
 
 
-def _bytes(gaps: list[RecomputeGap]) -> int:
-    return max(1, sum(g.size for g in gaps))
+def _price(gaps: list[RecomputeGap]) -> tuple[float, float]:
+    """Milliseconds of recompute per byte freed; longer gaps first among equals."""
+    freed = max(1, sum(g.size for g in gaps))
+    return (sum(g.cost_ms for g in gaps) / freed, -sum(g.b - g.a for g in gaps) / len(gaps))

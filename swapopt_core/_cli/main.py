@@ -217,8 +217,8 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
     parser.description = (
         "Simulate one step of an activation trace with no plan and with a plan (read from "
         "--schedule, or made now under --budget-mb), and draw resident activation memory over "
-        "time, the budget, and one lane of bars per copy direction. Needs matplotlib "
-        "(pip install 'swapopt[plot]')."
+        "time, the budget, one lane of bars per copy direction, and a compute lane with the "
+        "ops and the recomputes. Needs matplotlib (pip install 'swapopt[plot]')."
     )
     add = parser.add_argument
     add("--trace", required=True, metavar="T.json", help="the activation trace")
@@ -261,10 +261,13 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
             cli.atomic_write(args.out, draw)
         except (cli.CommandError, ModuleNotFoundError) as error:  # matplotlib is optional
             return _user_error(parser, str(error))
+        recomputed = result.recomputes + result.demand_recomputes
         Console().print(
             f"Memory timeline written to {args.out} (peak "
             f"{result.peak_bytes / cli.MIB:,.1f} MiB, overhead "
-            f"{100 * result.overhead:.1f} %)."
+            f"{100 * result.overhead:.1f} %"
+            + (f", {recomputed} recompute{'' if recomputed == 1 else 's'}" if recomputed else "")
+            + ")."
         )
         return 0
 

@@ -2,8 +2,10 @@
 
 The top panel shows the activation bytes on the device over time without a plan (natural: every
 storage stays until its last access) and with the plan, and the budget as a horizontal line. The
-panel below has one lane per copy direction with a bar for every copy the simulator ran, so
-one can see where the copies overlap compute and where compute waits.
+panel below has one lane per copy direction with a bar for every copy the simulator ran, and a
+compute lane with the ops (grey) and the recomputes (purple, ``RECOMPUTE`` actions and recomputes
+on demand), so one can see where the copies overlap compute, where compute waits and what
+recomputation costs.
 
 matplotlib is an optional dependency (``pip install swapopt[plot]``); it is imported only here,
 and drawn with the Agg canvas so no display is needed.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 from swapopt_core._planning.simulate import SimulationResult, simulate
@@ -22,6 +25,7 @@ __all__ = ["plot_timeline"]
 MIB = 1 << 20
 _NATURAL, _PLANNED, _BUDGET = "#9e9e9e", "#1f77b4", "#d62728"
 _LANES = (("D2H", "#ff7f0e"), ("H2D", "#2ca02c"))
+_OPS, _RECOMPUTE = "#bdbdbd", "#9467bd"
 
 
 def _steps(timeline: Sequence[tuple[float, int]]) -> tuple[list[float], list[float]]:
@@ -45,6 +49,24 @@ def _steps(timeline: Sequence[tuple[float, int]]) -> tuple[list[float], list[flo
             mib.append(level / MIB)
         i = j + 1
     return times, mib
+
+
+def _compute_lane(lanes: Any, trace: ActivationTrace, planned: SimulationResult) -> str:
+    """Draw the ops and the recomputes on lane 0 (the bottom one); return its label."""
+    ops = [
+        (start, op.duration_ms)
+        for start, op in zip(planned.op_start_ms, trace.ops, strict=False)
+        if op.duration_ms > 0
+    ]
+    if ops:
+        lanes.broken_barh(ops, (-0.35, 0.7), facecolors=_OPS, edgecolors="none")
+    spans = [(r.start_ms, r.end_ms - r.start_ms) for r in planned.recomputed]
+    if spans:
+        lanes.broken_barh(
+            spans, (-0.35, 0.7), facecolors=_RECOMPUTE, edgecolors="black", linewidth=0.3
+        )
+    count = len(planned.recomputed)
+    return f"compute: {count} recompute{'' if count == 1 else 's'}\n{planned.recompute_ms:,.3f} ms"
 
 
 def plot_timeline(
@@ -74,7 +96,7 @@ def plot_timeline(
     natural = simulate(trace)
     planned = simulate(trace, schedule)
     figure = Figure(figsize=(10, 6), layout="constrained")
-    memory, lanes = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+    memory, lanes = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1.4))
 
     times, mib = _steps(natural.timeline)
     memory.step(
@@ -111,8 +133,8 @@ def plot_timeline(
     memory.grid(True, alpha=0.3)
     memory.legend(loc="upper right", fontsize="small")
 
-    labels = []
-    for lane, (direction, color) in enumerate(reversed(_LANES)):
+    labels = [_compute_lane(lanes, trace, planned)]
+    for lane, (direction, color) in enumerate(reversed(_LANES), start=1):
         spans = [
             (c.start_ms, c.end_ms - c.start_ms) for c in planned.copies if c.direction == direction
         ]
@@ -123,8 +145,8 @@ def plot_timeline(
         moved = planned.d2h_bytes if direction == "D2H" else planned.h2d_bytes
         copies = f"{len(spans)} cop{'y' if len(spans) == 1 else 'ies'}"
         labels.append(f"{direction}: {copies}\n{moved / MIB:,.1f} MiB")
-    lanes.set_yticks(range(len(_LANES)), labels, fontsize="small")
-    lanes.set_ylim(-0.6, len(_LANES) - 0.4)
+    lanes.set_yticks(range(len(_LANES) + 1), labels, fontsize="small")
+    lanes.set_ylim(-0.6, len(_LANES) + 0.6)
     lanes.set_xlabel("time (ms)")
     lanes.grid(True, axis="x", alpha=0.3)
     lanes.set_xlim(left=0, right=max(planned.total_ms, natural.total_ms) * 1.01 or 1.0)
@@ -133,6 +155,9 @@ def plot_timeline(
         f"Activation memory over one step: {len(trace.ops)} ops, "
         f"overhead {100 * planned.overhead:.1f} %"
     )
+    recomputed = len(planned.recomputed)
+    if recomputed:
+        title += f", {recomputed} recompute{'' if recomputed == 1 else 's'}"
     if planned.demand_fetches:
         title += f", {planned.demand_fetches} demand fetches"
     figure.suptitle(title)

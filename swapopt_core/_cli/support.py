@@ -19,7 +19,7 @@ from rich.console import Group
 from rich.table import Table
 
 from swapopt_core._options import Invalid, parse_mib
-from swapopt_core._planning.bounds import min_feasible_budget, overhead_lower_bound
+from swapopt_core._planning.bounds import floor_reason, min_feasible_budget, overhead_lower_bound
 from swapopt_core._planning.interface import DEFAULT_PLANNER, ResidencyPlanner, resolve_planner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 from swapopt_core._planning.simulate import SimulationResult, simulate
@@ -264,8 +264,7 @@ def summary(
         floor = min_feasible_budget(trace)
         if budget < floor:
             notes.append(
-                f"[yellow]No plan fits under {_mib(floor)}: some op needs that much "
-                "on the device by itself (its inputs, outputs and what is retained). "
+                f"[yellow]No plan fits under {_mib(floor)}: {floor_reason(trace)}. "
                 "Raise --budget-mb.[/]"
             )
     table.add_row("planned peak", peak)
@@ -273,11 +272,23 @@ def summary(
     overhead = f"{100 * result.overhead:.1f} %"
     bound = overhead_lower_bound(trace)
     if budget is not None and math.isfinite(bound) and result.peak_bytes <= budget:
-        overhead += f" (no plan can go below {100 * bound:.1f} %)"
+        offload_only = overhead_lower_bound(trace, recompute=False)
+        without = (
+            f"; {100 * offload_only:.1f} % without recomputing" if offload_only > bound else ""
+        )
+        overhead += f" (no plan can go below {100 * bound:.1f} %{without})"
     table.add_row("overhead", overhead)
     table.add_row("actions", str(len(schedule)))
     table.add_row("moved D2H / H2D", f"{_mib(result.d2h_bytes)} / {_mib(result.h2d_bytes)}")
     table.add_row("host peak", _mib(result.peak_host_bytes))
+    if result.recomputes or result.demand_recomputes:
+        on_demand = (
+            f", [yellow]{result.demand_recomputes} on demand[/]" if result.demand_recomputes else ""
+        )
+        table.add_row(
+            "recomputes",
+            f"{result.recomputes} planned{on_demand}, {result.recompute_ms:,.3f} ms of compute",
+        )
     if result.demand_fetches:
         table.add_row(
             "demand fetches",

@@ -12,6 +12,7 @@ from swapopt_core._cli.main import main
 from swapopt_core._planning.ir import (
     Access,
     AccessKind,
+    ActionKind,
     ActivationTrace,
     ResidencySchedule,
     TraceOp,
@@ -23,8 +24,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 R, W = AccessKind.READ, AccessKind.WRITE
 
 
-def _op(name: str, ms: float, *accesses: tuple[int, AccessKind]) -> TraceOp:
-    return TraceOp(name, ms, tuple(Access(sid, kind) for sid, kind in accesses))
+def _op(name: str, ms: float, *accesses: tuple[int, AccessKind], pure: bool = False) -> TraceOp:
+    return TraceOp(name, ms, tuple(Access(sid, kind) for sid, kind in accesses), pure)
 
 
 def small_trace() -> ActivationTrace:
@@ -303,3 +304,77 @@ def test_plot_refuses_an_image_name_without_a_known_format(
         ["plot", "--trace", str(trace_file), "--budget-mb", "9", "--out", str(out)], capsys
     )
     assert f"--out {out}" in err and ".png" in err
+
+
+def recompute_trace() -> ActivationTrace:
+    """``silu`` (marked recompute, 0.05 ms) makes storage 6 from storage 1, and only ``loss``
+    reads 6 again, after three long ops. Over a 0.5 GB/s link, moving 6 out and back costs
+    17 ms; making it again costs 0.05 ms: under 13 MiB (natural peak 16) the plan recomputes.
+    """
+    ops = (
+        _op("embed", 0.1, (9, R), (1, W)),
+        _op("silu", 0.05, (1, R), (6, W), pure=True),
+        _op("mm1", 1.0, (9, R), (2, W)),
+        _op("mm2", 1.0, (2, R), (3, W)),
+        _op("mm3", 1.0, (3, R), (4, W)),
+        _op("loss", 0.1, (6, R), (4, R), (5, W)),
+        _op("backward", 0.1, (1, R), (5, R), (7, W)),
+    )
+    sizes = {1: 4 * MIB, 2: 4 * MIB, 3: 4 * MIB, 4: 4 * MIB, 5: MIB, 6: 4 * MIB, 7: MIB}
+    return ActivationTrace(ops, sizes, frozenset({7}), None, 0.5, 0.5)
+
+
+@pytest.fixture
+def recompute_file(tmp_path: Path) -> Path:
+    path = tmp_path / "recompute.json"
+    path.write_text(recompute_trace().to_json())
+    return path
+
+
+def test_plan_prints_its_recomputes_and_both_bounds(
+    recompute_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    assert (
+        main(["plan", "--trace", str(recompute_file), "--budget-mb", "13", "--out", str(out)]) == 0
+    )
+    schedule = ResidencySchedule.from_json(out.read_text())
+    kinds = {action.kind for _, _, action in schedule.actions()}
+    assert ActionKind.RECOMPUTE in kinds
+    result = simulate(recompute_trace().with_limit(13 * MIB), schedule)
+    assert result.recomputes == 1 and result.peak_bytes <= 13 * MIB
+    printed = capsys.readouterr().out
+    assert re.search(r"recomputes\s+│ 1 planned, 0\.050 ms of compute", printed)
+    assert "without recomputing)" in printed  # the offload-only bound, far above
+
+
+def test_plot_draws_recomputes_on_the_compute_lane(recompute_file: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from swapopt_core._cli.plot import plot_timeline
+
+    trace = recompute_trace().with_limit(13 * MIB)
+    schedule = ResidencySchedule()
+    schedule.add_post(1, 6, ActionKind.RELEASE_DEVICE)
+    schedule.add_pre(5, 6, ActionKind.RECOMPUTE)
+    drawn = tmp_path / "timeline.svg"
+    result = plot_timeline(trace, schedule, drawn)
+    assert [(span.storage_id, span.op) for span in result.recomputed] == [(6, 1)]
+    assert "#9467bd" in drawn.read_text()  # the recompute bar's colour
+    plain = tmp_path / "plain.svg"
+    plot_timeline(trace, None, plain)
+    assert "#9467bd" not in plain.read_text()
+    out = tmp_path / "timeline.png"
+    argv = ["plot", "--trace", str(recompute_file), "--budget-mb", "13", "--out", str(out)]
+    assert main(argv) == 0
+    _assert_png(out)
+
+
+def test_an_infeasible_budget_names_the_op_that_sets_the_floor(
+    recompute_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    assert (
+        main(["plan", "--trace", str(recompute_file), "--budget-mb", "2", "--out", str(out)]) == 0
+    )
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "No plan fits under 9.00 MiB: op 5 (loss) reads and writes 9.00 MiB" in printed

@@ -25,7 +25,7 @@ milliseconds per byte, longer gaps first among equals); a batch stays when the r
 schedule's time falls. Then each kept batch sheds its gaps that offloading hides best
 (largest link slack first, a half, else a quarter) while that helps, and each rejected batch
 is tried again on its gaps the link hides worst. The search stops early once the overhead is
-negligible or ``MAX_TRIALS`` placements have run.
+negligible or its trials are spent (``MAX_TRIALS``, fewer on long traces).
 """
 
 from __future__ import annotations
@@ -91,6 +91,9 @@ def recompute_gaps(ix: TraceIndex, budget: int | None = None) -> list[RecomputeG
     """
     trace = ix.trace
     bw_out, bw_in = trace.d2h_bandwidth_gbps * 1e6, trace.h2d_bandwidth_gbps * 1e6
+    over = [0]  # over[i]: ops before op i where the budget binds
+    for resident in ix.natural:
+        over.append(over[-1] + (budget is not None and resident > budget))
     found: list[RecomputeGap] = []
     for sid, producer in ix.producer.items():
         size = ix.sizes[sid]
@@ -112,7 +115,7 @@ def recompute_gaps(ix: TraceIndex, budget: int | None = None) -> list[RecomputeG
         for k, (a, b) in enumerate((a, b) for a, b in pairs if b - a >= 2):
             if b > spoiled or b > alive:
                 continue
-            if budget is not None and max(ix.natural[a + 1 : b]) <= budget:
+            if budget is not None and over[b] == over[a + 1]:
                 continue
             idle = ix.starts[b] - ix.starts[a] - ix.durations[a]
             slack = idle - size / bw_out - size / bw_in
@@ -262,8 +265,10 @@ class _Trial:
         return mine[0] < theirs[0] or (mine[0] == theirs[0] and mine[1] < theirs[1] - 1e-9)
 
 
-#: Trials (each a full offload placement and replay) one plan may spend on the choice.
+#: Trials (each a full offload placement and replay) one plan may spend on the choice...
 MAX_TRIALS = 32
+#: ...and ops placed over all trials, so that long traces stay quick to plan (at least 4).
+MAX_TRIAL_OPS = 60_000
 #: An overhead below this (share of the compute time) leaves nothing worth searching for.
 NEGLIGIBLE = 1e-3
 
@@ -282,6 +287,7 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
     """
     gaps = recompute_gaps(ix, budget)
     seen: dict[frozenset[RecomputeGap], _Trial] = {}
+    trials = max(4, min(MAX_TRIALS, MAX_TRIAL_OPS // max(1, ix.n)))
 
     def trial(chosen: frozenset[RecomputeGap]) -> _Trial:
         if chosen not in seen:
@@ -303,7 +309,7 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
     order = sorted(batches, key=lambda k: _price(batches[k]))
     kept = []
     for kind in order:  # whole batches, cheapest per byte first
-        if _settled(best, seen):
+        if _settled(best, seen, trials):
             break
         candidate = trial(best.chosen | frozenset(batches[kind]))
         if candidate.better_than(best):
@@ -317,7 +323,7 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
         ranked = sorted(batches[kind], key=lambda g: -g.slack if shed else g.slack)
         for share in (2, 4):
             part = frozenset(ranked[: len(ranked) // share])
-            if _settled(best, seen) or not part:
+            if _settled(best, seen, trials) or not part:
                 break
             candidate = trial(best.chosen - part if shed else best.chosen | part)
             if candidate.better_than(best):
@@ -333,10 +339,10 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
     return best.schedule
 
 
-def _settled(best: _Trial, seen: dict) -> bool:
-    """No more trials: the budget of trials is spent, or nothing is left to win."""
+def _settled(best: _Trial, seen: dict, trials: int) -> bool:
+    """No more trials: ``trials`` have run, or nothing is left to win."""
     fits = best.result.peak_bytes <= best.budget
-    return len(seen) >= MAX_TRIALS or (fits and best.result.overhead < NEGLIGIBLE)
+    return len(seen) >= trials or (fits and best.result.overhead < NEGLIGIBLE)
 
 
 def _order(g: RecomputeGap) -> tuple[int, int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -294,6 +295,14 @@ def test_the_worked_example_of_the_formats_doc_is_what_the_code_writes() -> None
     assert (round(result.compute_ms, 2), round(result.total_ms, 2)) == (0.75, 1.27)
     assert result.peak_bytes == result.natural_peak_bytes == 8 * MIB
     assert [c.direction for c in result.copies] == ["D2H", "H2D"]
+    # The variant with the matmul marked recompute.
+    recompute_text = re.findall(r"```json\n(.*?)```", doc.read_text(), re.S)[2]
+    marked = dataclasses.replace(
+        trace, ops=(dataclasses.replace(trace.ops[0], recompute=True), trace.ops[1])
+    )
+    result = simulate(marked, ResidencySchedule.from_json(recompute_text))
+    assert (result.recomputes, round(result.total_ms, 2), result.peak_host_bytes) == (1, 1.25, 0)
+    assert not result.copies and result.peak_bytes == 8 * MIB
 
 
 def test_plot_refuses_an_image_name_without_a_known_format(

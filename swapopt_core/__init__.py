@@ -1,6 +1,7 @@
 """swapopt core: optimizer state and activations in host memory, brought back just in time."""
 
 from swapopt_core._activations.config import OffloadConfig
+from swapopt_core._activations.runtime import ActivationRuntime
 from swapopt_core._activations.session import OffloadSession, OffloadStats, skip_offload
 from swapopt_core._api import (
     is_swap_optimizer,
@@ -21,6 +22,7 @@ from swapopt_core._torch.adapter import OptimizerAdapter, StateFactory
 from swapopt_core.hookspecs import hookimpl
 
 __all__ = [
+    "ActivationRuntime",
     "ActivationTrace",
     "CopyPair",
     "MindSporeAdapter",

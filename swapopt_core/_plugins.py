@@ -8,7 +8,7 @@ import importlib.metadata
 import logging
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -17,15 +17,19 @@ from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core.hookspecs import PROJECT, SwapOptSpecs
 
+if TYPE_CHECKING:
+    from swapopt_core._activations.runtime import ActivationRuntime
+
 logger = logging.getLogger(__name__)
 
 #: Entry-point group third-party plugins register under.
 ENTRY_POINT_GROUP = PROJECT
-#: The built-in plugins (one module per backend, one for the planners), registered like any
-#: third-party plugin.
+#: The built-in plugins (one module per backend, one for the planners, one for the activation
+#: runtimes), registered like any third-party plugin.
 DEFAULT_PLUGINS = (
     "swapopt_core._torch.plugin",
     "swapopt_core._planning.plugin",
+    "swapopt_core._activations.plugin",
     "swapopt_core._mindspore.plugin",
 )
 #: Set to 1 to skip loading third-party plugins from entry points.
@@ -33,6 +37,8 @@ DISABLE_AUTOLOAD_ENV = "SWAPOPT_DISABLE_PLUGIN_AUTOLOAD"
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "activation_runtime_names",
+    "activation_runtimes",
     "get_plugin_manager",
     "new_plugin_manager",
     "runtime_names",
@@ -175,3 +181,44 @@ def residency_planners(manager: pluggy.PluginManager) -> dict[str, ResidencyPlan
                 )
             found[planner.name] = planner
     return found
+
+
+def activation_runtimes(manager: pluggy.PluginManager) -> dict[str, type[ActivationRuntime]]:
+    """Activation runtime classes by name; a name registered twice is an error."""
+    # Imported here: the activation runtimes sit above this neutral module.
+    from swapopt_core._activations.runtime import ActivationRuntime
+
+    found: dict[str, type[ActivationRuntime]] = {}
+    for batch in manager.hook.swapopt_register_activation_runtimes():
+        for runtime in batch:
+            if not (isinstance(runtime, type) and issubclass(runtime, ActivationRuntime)):
+                raise SwapOptError(
+                    f"A plugin registered {runtime!r} as an activation runtime; "
+                    "swapopt_register_activation_runtimes must return subclasses of "
+                    "swapopt_core.ActivationRuntime (classes, not instances)."
+                )
+            name = runtime.name
+            if not isinstance(name, str) or not name or name == "auto":
+                raise SwapOptError(
+                    f"The activation runtime {runtime.__module__}.{runtime.__qualname__} is "
+                    f"named {name!r}; give it a non-empty name other than 'auto'."
+                )
+            other = found.get(name)
+            if other is not None and other is not runtime:
+                raise SwapOptError(
+                    f"Two plugins register an activation runtime named {name!r}: "
+                    f"{other.__module__}.{other.__qualname__} and "
+                    f"{runtime.__module__}.{runtime.__qualname__}. Give one another name "
+                    "(a subclass inherits its parent's) or unregister one of them."
+                )
+            found[name] = runtime
+    return found
+
+
+def activation_runtime_names(manager: pluggy.PluginManager | None = None) -> list[str]:
+    """``"auto"`` and the names of the registered activation runtimes, sorted.
+
+    Args:
+        manager: The plugin manager to ask. Default: ``get_plugin_manager()``.
+    """
+    return sorted({"auto", *activation_runtimes(manager or get_plugin_manager())})

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from swapopt_core._activations.runtime import ActivationRuntime
     from swapopt_core._config import SwapOptimizerConfig
     from swapopt_core._mindspore.adapter import MindSporeAdapter
     from swapopt_core._planning.interface import ResidencyPlanner
@@ -79,6 +80,30 @@ class SwapOptSpecs:
 
         Returns:
             Instances of ``swapopt_core.ResidencyPlanner`` subclasses.
+        """
+
+    @hookspec
+    def swapopt_register_activation_runtimes(self) -> Iterable[type[ActivationRuntime]]:
+        """Contribute activation-offload runtimes.
+
+        Called when an ``OffloadSession`` is created (it resolves ``OffloadConfig.runtime``
+        there, so an unknown name fails at once) and when ``OffloadConfig.from_options``
+        checks a runtime name. Each class carries a unique ``name`` (what
+        ``OffloadConfig.runtime`` selects) and the ``device_types`` (``torch.device.type``)
+        that ``runtime="auto"`` picks it for; ``"auto"`` uses ``"loopback"`` for device types
+        no runtime declares, and two runtimes declaring one type make ``"auto"`` refuse.
+
+        The session makes its runtime with the classmethod ``create(device)`` (``device`` is
+        ``None`` for a runtime selected by name) and calls the ``ActivationRuntime``
+        interface: ``serves(device)``, ``begin_entry()``, ``alloc_host(nbytes)``,
+        ``copy_out(storage, host)`` and ``copy_in(storage, host)`` (each returns a ticket,
+        ``None`` when done), ``wait(ticket)`` (the step's next ops come after the copy),
+        ``host_wait(ticket)`` (the host blocks until it is done), ``synchronize()``,
+        ``stamp()``, ``elapsed_ms(start, end)`` and ``measure_bandwidth()``. The base class
+        is the synchronous loopback runtime; its docstrings hold each method's contract.
+
+        Returns:
+            Runtime classes, subclasses of ``swapopt_core.ActivationRuntime``.
         """
 
     # ---- lifecycle observers ---------------------------------------------------------------

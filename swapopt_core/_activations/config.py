@@ -16,10 +16,7 @@ from swapopt_core._options import (
 )
 from swapopt_core._planning.interface import AUTO, DEFAULT_MIN_OFFLOAD_BYTES
 
-__all__ = ["RUNTIMES", "OffloadConfig"]
-
-#: Names ``OffloadConfig.runtime`` accepts.
-RUNTIMES = ("auto", "cuda", "loopback", "loopback-async")
+__all__ = ["OffloadConfig"]
 
 
 _UNITS = {"MiB": 2**20, "KiB": 2**10}
@@ -57,13 +54,15 @@ class OffloadConfig:
         planner: Name of a registered residency planner. ``"auto"`` is
             ``swapopt_core._planning.interface.DEFAULT_PLANNER``, the built-in time-aware
             planner ``"timed"``. Default: "auto".
-        runtime: ``"auto"`` follows the activations: at an entry's first op, the CUDA
-            runtime when one of that op's tensors (or its ``device`` argument, as in
-            ``x.to("cuda")``) is on a CUDA device, loopback otherwise.
-            ``"cuda"`` (the current CUDA device) or ``"loopback"`` (CPU tensors play the
-            device) choose one outright; ``"loopback-async"`` is loopback with the copies
-            on worker threads, as on CUDA streams (paced by ``SWAPOPT_LOOPBACK_GBPS`` and
-            ``SWAPOPT_LOOPBACK_JITTER_US``). Default: "auto".
+        runtime: Name of a registered activation runtime (plugins add them through
+            ``swapopt_register_activation_runtimes``; the session checks the name when it is
+            created). ``"auto"`` follows the activations: at an entry's first op, the runtime
+            declaring the type of the device that op's tensors (or its ``device`` argument,
+            as in ``x.to("cuda")``) are on, so the CUDA runtime for CUDA tensors, and
+            loopback otherwise. The built-ins: ``"cuda"`` (the current CUDA device),
+            ``"loopback"`` (CPU tensors play the device) and ``"loopback-async"``, loopback
+            with the copies on worker threads, as on CUDA streams (paced by
+            ``SWAPOPT_LOOPBACK_GBPS`` and ``SWAPOPT_LOOPBACK_JITTER_US``). Default: "auto".
         min_offload_kib: Storages smaller than this are left on the device unless the
             budget cannot be met otherwise (a copy's fixed cost outweighs what they free);
             the warmup never evicts them, and the trace carries it to the planner
@@ -89,9 +88,10 @@ class OffloadConfig:
                 f"OffloadConfig.planner must be a planner name, got {self.planner!r}. "
                 "Use 'auto' for the built-in time-aware planner."
             )
-        if self.runtime not in RUNTIMES:
+        if not isinstance(self.runtime, str) or not self.runtime.strip():
             raise ValueError(
-                f"OffloadConfig.runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}."
+                f"OffloadConfig.runtime must be an activation runtime name, got "
+                f"{self.runtime!r}. Use 'auto' to follow the device the activations are on."
             )
 
     @property
@@ -117,7 +117,9 @@ class OffloadConfig:
         """Build a config from options as a YAML file, the environment or flags give them.
 
         Sizes may be numbers or their text; fields not given keep their defaults. The
-        planner name is checked when the session first plans (plugins may add planners).
+        runtime name is checked against the runtimes registered with
+        ``get_plugin_manager()``; the planner name when the session is created (plugins may
+        add planners).
 
         Raises:
             ValueError: An unknown field or a value the field does not accept; the message
@@ -127,12 +129,24 @@ class OffloadConfig:
         return cls(**read_options(_OPTIONS, values, source=source, labels=labels))
 
 
+def _runtime_names() -> list[str]:
+    # Imported here: the plugin manager imports the activation runtimes, which import torch.
+    from swapopt_core._plugins import activation_runtime_names
+
+    return activation_runtime_names()
+
+
 _MIB = Option(parse_mib(allow_none=False), f"a number of MiB >= 0 and below {2**43}")
 _OPTIONS = {
     "max_resident_activation_mb": _MIB,
     "max_offload_activation_mb": _MIB,
     "planner": Option(parse_name, "a registered planner name, or 'auto'"),
-    "runtime": Option(parse_choice(lambda: RUNTIMES), "one of {choices}", lambda: RUNTIMES),
+    "runtime": Option(
+        parse_choice(_runtime_names),
+        "one of {choices} (the registered activation runtimes; a plugin adds one through "
+        "swapopt_register_activation_runtimes)",
+        _runtime_names,
+    ),
     "min_offload_kib": Option(
         parse_mib(allow_none=False, unit=2**10), f"a number of KiB >= 0 and below {2**53}"
     ),

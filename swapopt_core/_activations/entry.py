@@ -79,15 +79,15 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def _device_of(inputs: object) -> torch.device:
-    """Where an op's activations go: the first CUDA device among its tensors and its
-    ``device`` argument (``x.to("cuda")`` reads a CPU tensor), else CPU."""
+    """Where an op's activations go: the first accelerator (not CPU or meta) among its
+    tensors and its ``device`` argument (``x.to("cuda")`` reads a CPU tensor), else CPU."""
     leaves = tree_leaves(inputs)
     kwargs = inputs[-1] if isinstance(inputs, tuple) and inputs else None
     wanted = kwargs.get("device") if isinstance(kwargs, dict) else None
     devices = [v.device for v in leaves if isinstance(v, torch.Tensor)]
     if wanted is not None:
         devices.insert(0, torch.device(wanted))
-    return next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+    return next((d for d in devices if d.type not in ("cpu", "meta")), torch.device("cpu"))
 
 
 class _Mode(TorchDispatchMode):

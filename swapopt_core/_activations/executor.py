@@ -29,7 +29,8 @@ from swapopt_core._activations.residency import HostPool
 from swapopt_core._activations.runtime import (
     ActivationRuntime,
     CudaActivationRuntime,
-    choose_runtime,
+    RuntimeChoice,
+    resolve_runtime,
 )
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
@@ -63,11 +64,20 @@ class Executor:
     Args:
         config: The session's budget, host cap, runtime and size threshold.
         planner: What plans each new trace.
+        runtimes: How to make the runtime ``config.runtime`` selects. Default: resolved
+            against the built-in runtimes only (the session resolves it with its plugins).
     """
 
-    def __init__(self, config: OffloadConfig, planner: ResidencyPlanner) -> None:
+    def __init__(
+        self,
+        config: OffloadConfig,
+        planner: ResidencyPlanner,
+        *,
+        runtimes: RuntimeChoice | None = None,
+    ) -> None:
         self.config = config
         self.planner = planner
+        self.runtimes = runtimes if runtimes is not None else _builtin_runtimes(config.runtime)
         self.budget_bytes = config.budget_bytes
         self.min_offload_bytes = config.min_offload_bytes
         self.trace: ActivationTrace | None = None
@@ -125,7 +135,7 @@ class Executor:
         """Start an entry: a replay of the plan if there is one, else a warmup."""
         if self.runtime is None and self.config.runtime != "auto":
             # A named runtime is made at once, so a missing CUDA fails here and not in an op.
-            self._use(choose_runtime(self.config.runtime))
+            self._use(self.runtimes.make())
         if self.trace is not None and self.schedule is not None:
             self.entry = Entry(self, self.trace, self.schedule)
         else:
@@ -234,12 +244,8 @@ class Executor:
         runtime was made at the first entry and serves them all.
         """
         runtime = self.runtime
-        if runtime is None or (
-            self.config.runtime == "auto"
-            and not runtime.serves(device)
-            and (device.type == "cuda" or runtime.name != "loopback")
-        ):
-            self._use(choose_runtime("auto", device))
+        if runtime is None or not self.runtimes.keeps(runtime, device):
+            self._use(self.runtimes.make(device))
             logger.info(
                 "activation offload: %s runtime for tensors on %s", self.runtime.name, device
             )
@@ -253,6 +259,13 @@ class Executor:
         if self._bandwidth is None or self._bandwidth[0] is not runtime:
             self._bandwidth = (runtime, runtime.measure_bandwidth())
         return self._bandwidth[1]
+
+
+def _builtin_runtimes(name: str) -> RuntimeChoice:
+    """``name`` resolved against the built-in runtimes (``_activations/plugin.py``)."""
+    from swapopt_core._activations.plugin import swapopt_register_activation_runtimes
+
+    return resolve_runtime(name, {c.name: c for c in swapopt_register_activation_runtimes()})
 
 
 def _without(schedule: ResidencySchedule, pinned: set[int]) -> ResidencySchedule:

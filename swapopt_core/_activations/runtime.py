@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -22,7 +23,23 @@ from swapopt_core._torch.pinned import alloc_pinned
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ActivationRuntime", "CudaActivationRuntime", "byte_view", "choose_runtime"]
+__all__ = [
+    "AUTO_RUNTIME",
+    "FALLBACK_RUNTIME",
+    "ActivationRuntime",
+    "CudaActivationRuntime",
+    "RuntimeChoice",
+    "byte_view",
+    "choose_runtime",
+    "resolve_runtime",
+]
+
+#: The name that lets the activations' device choose the runtime (``OffloadConfig.runtime``).
+AUTO_RUNTIME = "auto"
+#: What ``"auto"`` uses for a device type no registered runtime declares.
+FALLBACK_RUNTIME = "loopback"
+#: The plugin module that registers the built-in activation runtimes.
+BUILTIN_PLUGIN = "swapopt_core._activations.plugin"
 
 
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -30,45 +47,179 @@ def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def choose_runtime(wanted: str, device: torch.device | None = None) -> ActivationRuntime:
-    """The runtime that ``OffloadConfig.runtime`` names.
+def choose_runtime(
+    wanted: str,
+    device: torch.device | None = None,
+    runtimes: Mapping[str, type[ActivationRuntime]] | None = None,
+) -> ActivationRuntime:
+    """The runtime that ``OffloadConfig.runtime`` names, made for ``device``.
+
+    A shortcut for ``resolve_runtime(wanted, runtimes).make(device)``.
 
     Args:
-        wanted: ``"auto"`` follows ``device``: the CUDA runtime on that CUDA device, loopback
-            for anything else (CPU tensors are then the "device" and their copies go to
-            other CPU buffers). ``"cuda"`` is the current CUDA device, ``"loopback"`` CPU
-            tensors, wherever the activations are; ``"loopback-async"`` too, with the
-            copies on worker threads as on CUDA streams (``async_runtime.py``).
+        wanted: A registered runtime name, or ``"auto"`` (see :class:`RuntimeChoice`).
         device: Where the activations are, as an entry's first op shows it; what
             ``"auto"`` follows.
+        runtimes: The registered runtime classes by name. Default: those of
+            ``get_plugin_manager()``.
 
     Raises:
+        ValueError: ``wanted`` is not registered (the message lists what is).
         RuntimeError: ``"cuda"`` is asked for and CUDA is not available.
-        ValueError: ``"loopback-async"`` is asked for and a ``SWAPOPT_LOOPBACK_*`` variable
-            holds a value it does not accept.
     """
-    if wanted == "auto" and device is not None and device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-        return CudaActivationRuntime(torch.device("cuda", index))
-    if wanted == "loopback-async":
-        # Imported here: that module builds on this one.
-        from swapopt_core._activations.async_runtime import AsyncLoopbackRuntime
+    if runtimes is None:
+        # Imported here: the plugin manager imports this module.
+        from swapopt_core._plugins import activation_runtimes, get_plugin_manager
 
-        return AsyncLoopbackRuntime()
-    if wanted != "cuda":
-        return ActivationRuntime()
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "OffloadConfig.runtime='cuda' but CUDA is not available. Use runtime='loopback' "
-            "to run the offload on CPU, or 'auto' to follow the activations."
+        runtimes = activation_runtimes(get_plugin_manager())
+    return resolve_runtime(wanted, runtimes).make(device)
+
+
+def resolve_runtime(
+    name: str,
+    runtimes: Mapping[str, type[ActivationRuntime]],
+    *,
+    label: str = "OffloadConfig.runtime",
+) -> RuntimeChoice:
+    """How a session makes the runtime ``name`` selects, checked against ``runtimes``.
+
+    Args:
+        name: A registered runtime name, or ``"auto"``.
+        runtimes: The registered runtime classes by name (``swapopt_core._plugins.
+            activation_runtimes``).
+        label: How to name the setting in errors.
+
+    Raises:
+        ValueError: No runtime is registered under ``name``; or, for ``"auto"``, two
+            runtimes declare the same device type, or ``"loopback"`` (what ``"auto"`` uses for
+            the other device types) is not registered. The message says how to fix it.
+    """
+    known = sorted({AUTO_RUNTIME, *runtimes})
+    if name != AUTO_RUNTIME:
+        chosen = runtimes.get(name)
+        if chosen is None:
+            raise ValueError(
+                f"{label}={name!r} is not a registered activation runtime. Choose one of "
+                f"{known}, or install or register the plugin that provides it "
+                "(swapopt_register_activation_runtimes)."
+            )
+        return RuntimeChoice(name, chosen, {}, None)
+    by_type: dict[str, type[ActivationRuntime]] = {}
+    for runtime_name, cls in sorted(runtimes.items()):
+        for device_type in cls.device_types:
+            other = by_type.setdefault(device_type, cls)
+            if other is not cls:
+                raise ValueError(
+                    f"{label}='auto' is ambiguous for tensors on {device_type!r}: the "
+                    f"activation runtimes {other.name!r} and {runtime_name!r} both declare it "
+                    f"in device_types. Name one in {label} (one of {known}), or unregister "
+                    "one of the plugins."
+                )
+    fallback = runtimes.get(FALLBACK_RUNTIME)
+    if fallback is None:
+        raise ValueError(
+            f"{label}='auto' needs the activation runtime {FALLBACK_RUNTIME!r} for device "
+            f"types no runtime declares, and no plugin registers it. Name a runtime in "
+            f"{label} (one of {known}), or register the built-in plugin "
+            f"{BUILTIN_PLUGIN!r}."
         )
-    return CudaActivationRuntime(torch.device("cuda", torch.cuda.current_device()))
+    return RuntimeChoice(name, None, by_type, fallback)
+
+
+@dataclass(frozen=True)
+class RuntimeChoice:
+    """How a session makes its runtime: one named class, or ``"auto"``'s pick per device.
+
+    ``"auto"`` follows the activations: at an entry's first op, the runtime whose
+    ``device_types`` holds the type of the device that op's tensors are on (CUDA for CUDA
+    tensors), else :data:`FALLBACK_RUNTIME` (loopback: CPU tensors are the "device" and
+    their copies go to other CPU buffers; storages on other devices are left alone).
+
+    Attributes:
+        wanted: The configured name.
+        named: The class a named runtime is made from (``None`` for ``"auto"``).
+        by_type: For ``"auto"``: the class declaring each device type.
+        fallback: For ``"auto"``: the class for every other device type.
+    """
+
+    wanted: str
+    named: type[ActivationRuntime] | None
+    by_type: Mapping[str, type[ActivationRuntime]]
+    fallback: type[ActivationRuntime] | None
+
+    def class_for(self, device: torch.device | None) -> type[ActivationRuntime]:
+        """The class that serves activations on ``device`` (``None``: not known yet)."""
+        if self.named is not None:
+            return self.named
+        assert self.fallback is not None
+        if device is None:
+            return self.fallback
+        return self.by_type.get(device.type, self.fallback)
+
+    def make(self, device: torch.device | None = None) -> ActivationRuntime:
+        """A new runtime for activations on ``device`` (``None``: a named runtime, made
+        before any op shows where the activations are).
+
+        Raises:
+            TypeError: The class's ``create`` did not return an ``ActivationRuntime``.
+        """
+        cls = self.class_for(device)
+        runtime = cls.create(device)
+        if not isinstance(runtime, ActivationRuntime):
+            raise TypeError(
+                f"{cls.__module__}.{cls.__qualname__}.create returned {runtime!r}; an "
+                "activation runtime's create must return an ActivationRuntime instance."
+            )
+        return runtime
+
+    def keeps(self, runtime: ActivationRuntime, device: torch.device) -> bool:
+        """Whether ``runtime`` goes on serving an entry whose activations are on ``device``.
+
+        A named runtime serves every entry. With ``"auto"`` the runtime is kept when it
+        serves ``device``, or when a new one would be the same fallback class (it would
+        serve that device no better).
+        """
+        if self.named is not None or runtime.serves(device):
+            return True
+        cls = self.class_for(device)
+        return type(runtime) is cls and device.type not in cls.device_types
 
 
 class ActivationRuntime:
-    """Loopback behaviour; the CUDA runtime overrides the parts that involve streams."""
+    """What moves activation storages between the device and host memory; this base class
+    is the ``"loopback"`` runtime (CPU tensors play the device, copies run at once).
 
-    name = "loopback"
+    A plugin runtime subclasses it, sets a unique ``name`` and, to be picked by
+    ``OffloadConfig(runtime="auto")``, the ``device_types`` it serves, and returns the class
+    from the ``swapopt_register_activation_runtimes`` hook. It overrides what differs from
+    loopback: ``serves``, ``create`` when its constructor takes arguments, and for an
+    asynchronous device the copies, waits and clocks below. A copy returns a *ticket*
+    (``None`` when the copy is already done) that ``wait`` and ``host_wait`` take back.
+    The session calls these methods from the thread that runs the step.
+    """
+
+    #: Name selected by ``OffloadConfig.runtime``; unique among the registered runtimes.
+    name: ClassVar[str] = "loopback"
+    #: Device types (``torch.device.type``) that ``runtime="auto"`` picks this runtime for;
+    #: empty: only by name. ``"auto"`` uses ``"loopback"`` for types no runtime declares.
+    device_types: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def create(cls, device: torch.device | None) -> ActivationRuntime:
+        """Make a runtime for a session: once for a runtime selected by name; with
+        ``"auto"``, whenever an entry's activations are on a device the session's current
+        runtime does not serve.
+
+        Args:
+            device: With ``runtime="auto"``, where the entry's activations are; ``None``
+                for a runtime selected by name, made at the session's first entry before
+                any op ran.
+
+        Raises:
+            RuntimeError: The runtime cannot run here (its device is not available); the
+                session's ``__enter__`` then fails with that error.
+        """
+        return cls()
 
     def serves(self, device: torch.device) -> bool:
         """Whether storages on ``device`` are the ones this runtime moves."""
@@ -79,24 +230,36 @@ class ActivationRuntime:
         return None
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 host tensor of ``nbytes`` bytes to hold one offloaded storage."""
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def copy_out(self, storage: torch.UntypedStorage, host: torch.Tensor) -> Any:
+        """Copy all bytes of ``storage`` (on a served device) into ``host``; return a ticket.
+
+        The copy must see every op the step issued before it (it may run asynchronously
+        after that point, as on a CUDA stream that waits for the compute stream).
+        """
         host.copy_(byte_view(storage))
         return None
 
     def copy_in(self, storage: torch.UntypedStorage, host: torch.Tensor) -> Any:
+        """Copy ``host`` into ``storage`` (already resized back); return a ticket."""
         byte_view(storage).copy_(host)
         return None
 
     def wait(self, ticket: Any) -> None:
-        return None
+        """Order the step's next ops after the copy ``ticket`` stands for.
+
+        Called before an op reads or writes a copied storage and before a storage is
+        released; on a device with streams it need not block the host.
+        """
 
     def host_wait(self, ticket: Any) -> None:
-        return None
+        """Block the host until the copy ``ticket`` stands for is done (before the host
+        buffer it touches is reused or dropped)."""
 
     def synchronize(self) -> None:
-        return None
+        """Block until every copy issued so far is done (when the entry ends)."""
 
     # ---- timing --------------------------------------------------------------------------
 
@@ -105,6 +268,7 @@ class ActivationRuntime:
         return time.perf_counter()
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two ``stamp`` results (read after the warmup ends)."""
         return (end - start) * 1e3
 
     def measure_bandwidth(self, nbytes: int = 32 * 2**20, repeats: int = 5) -> tuple[float, float]:
@@ -129,6 +293,24 @@ class CudaActivationRuntime(ActivationRuntime):
     """Asynchronous copies on one D2H and one H2D stream per device."""
 
     name = "cuda"
+    device_types = ("cuda",)
+
+    @classmethod
+    def create(cls, device: torch.device | None) -> CudaActivationRuntime:
+        """The runtime for ``device``, or for the current CUDA device when ``None``.
+
+        Raises:
+            RuntimeError: CUDA is not available.
+        """
+        if device is None or device.index is None:
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    "OffloadConfig.runtime='cuda' but CUDA is not available. Use "
+                    "runtime='loopback' to run the offload on CPU, or 'auto' to follow the "
+                    "activations."
+                )
+            return cls(torch.device("cuda", torch.cuda.current_device()))
+        return cls(device)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

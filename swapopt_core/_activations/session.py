@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.entry import Entry
 from swapopt_core._activations.executor import Executor
+from swapopt_core._activations.runtime import RuntimeChoice, resolve_runtime
 from swapopt_core._planning.interface import ResidencyPlanner, resolve_planner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 
@@ -78,7 +79,14 @@ class OffloadSession:
 
     Args:
         config: Budget, host cap, planner and runtime. Default: ``OffloadConfig()``.
-        plugin_manager: Where to look up planners. Default: ``get_plugin_manager()``.
+        plugin_manager: Where to look up planners and activation runtimes. Default:
+            ``get_plugin_manager()``.
+
+    Raises:
+        TypeError: ``config`` is not an ``OffloadConfig``.
+        ValueError: ``config.planner`` or ``config.runtime`` names nothing registered with
+            the plugin manager (the message lists what is), or ``runtime="auto"`` cannot
+            choose (two runtimes declare one device type).
 
     Example:
         >>> session = OffloadSession(OffloadConfig(max_resident_activation_mb=512))
@@ -98,7 +106,12 @@ class OffloadSession:
         self.config = OffloadConfig() if config is None else config
         if not isinstance(self.config, OffloadConfig):
             raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}.")
-        self._executor = Executor(self.config, _planner(self.config, plugin_manager))
+        manager = _manager(plugin_manager)
+        self._executor = Executor(
+            self.config,
+            _planner(self.config, manager),
+            runtimes=_runtimes(self.config, manager),
+        )
         self._token: contextvars.Token | None = None
         self._lock = threading.Lock()
         self._owner: threading.Thread | None = None  # the thread inside the session
@@ -217,11 +230,24 @@ class OffloadSession:
             entry.end_virtual(outputs)
 
 
-def _planner(config: OffloadConfig, manager: pluggy.PluginManager | None) -> ResidencyPlanner:
-    from swapopt_core._plugins import get_plugin_manager, residency_planners
+def _manager(manager: pluggy.PluginManager | None) -> pluggy.PluginManager:
+    from swapopt_core._plugins import get_plugin_manager
 
-    planners = residency_planners(get_plugin_manager() if manager is None else manager)
+    return get_plugin_manager() if manager is None else manager
+
+
+def _planner(config: OffloadConfig, manager: pluggy.PluginManager) -> ResidencyPlanner:
+    from swapopt_core._plugins import residency_planners
+
+    planners = residency_planners(manager)
     return resolve_planner(config.planner, planners, label="OffloadConfig.planner")
+
+
+def _runtimes(config: OffloadConfig, manager: pluggy.PluginManager) -> RuntimeChoice:
+    from swapopt_core._plugins import activation_runtimes
+
+    runtimes = activation_runtimes(manager)
+    return resolve_runtime(config.runtime, runtimes, label="OffloadConfig.runtime")
 
 
 def _differentiable(value: object) -> bool:

@@ -11,8 +11,16 @@ import torch
 from swapopt_core import OffloadConfig, OffloadSession
 from swapopt_core._activations.async_runtime import AsyncLoopbackRuntime
 from swapopt_core._activations.entry import _device_of
-from swapopt_core._activations.runtime import ActivationRuntime, byte_view, choose_runtime
+from swapopt_core._activations.runtime import (
+    ActivationRuntime,
+    CudaActivationRuntime,
+    byte_view,
+    choose_runtime,
+    resolve_runtime,
+)
 from swapopt_core._lanes import ENV_GBPS, ENV_JITTER_US, LaneSettings
+from swapopt_core._plugins import activation_runtimes, get_plugin_manager, new_plugin_manager
+from swapopt_core.hookspecs import hookimpl
 from tests.activations.test_session import Wide
 
 
@@ -65,6 +73,99 @@ def test_cuda_without_cuda_fails_at_entry_and_names_the_fix(monkeypatch) -> None
         session.__enter__()
     with OffloadSession(OffloadConfig(runtime="loopback")):  # nothing was left active
         pass
+
+
+# ---- runtimes from plugins ---------------------------------------------------------------
+
+
+class _Xpu(ActivationRuntime):
+    """A runtime for a device type no built-in serves, made for the device it is given."""
+
+    name = "xpu-test"
+    device_types = ("xpu",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @classmethod
+    def create(cls, device: torch.device | None) -> _Xpu:
+        return cls(device if device is not None else torch.device("xpu", 0))
+
+    def serves(self, device: torch.device) -> bool:
+        return device == self.device
+
+
+def _builtins(*extra: type[ActivationRuntime]) -> dict[str, type[ActivationRuntime]]:
+    runtimes = activation_runtimes(new_plugin_manager(load_entrypoints=False))
+    return {**runtimes, **{cls.name: cls for cls in extra}}
+
+
+def test_auto_picks_the_runtime_declaring_the_device_type() -> None:
+    auto = resolve_runtime("auto", _builtins(_Xpu))
+    assert auto.class_for(torch.device("cuda", 1)) is CudaActivationRuntime
+    assert auto.class_for(torch.device("cpu")) is ActivationRuntime
+    assert auto.class_for(torch.device("mps")) is ActivationRuntime  # nobody declares it
+    made = auto.make(torch.device("xpu", 1))
+    assert type(made) is _Xpu and made.device == torch.device("xpu", 1)
+    assert resolve_runtime("auto", _builtins()).class_for(torch.device("xpu")) is ActivationRuntime
+
+
+def test_auto_replaces_a_runtime_only_when_another_would_serve_better() -> None:
+    auto = resolve_runtime("auto", _builtins(_Xpu))
+    xpu0, loopback = _Xpu(torch.device("xpu", 0)), ActivationRuntime()
+    assert auto.keeps(xpu0, torch.device("xpu", 0))
+    assert not auto.keeps(xpu0, torch.device("xpu", 1))  # another device: its own runtime
+    assert not auto.keeps(xpu0, torch.device("cpu"))  # back to loopback
+    assert auto.keeps(loopback, torch.device("cpu"))
+    assert auto.keeps(loopback, torch.device("mps"))  # a new loopback would serve it no better
+    assert not auto.keeps(loopback, torch.device("xpu", 0))
+    named = resolve_runtime("xpu-test", _builtins(_Xpu))
+    assert named.keeps(xpu0, torch.device("cpu"))  # a named runtime serves every entry
+    assert named.make().device == torch.device("xpu", 0)
+
+
+def test_runtime_names_are_resolved_with_a_clear_error() -> None:
+    runtimes = _builtins(_Xpu)
+    with pytest.raises(
+        ValueError,
+        match=r"^OffloadConfig\.runtime='tpu' is not a registered activation runtime\. Choose "
+        r"one of \['auto', 'cuda', 'loopback', 'loopback-async', 'xpu-test'\], or install",
+    ):
+        resolve_runtime("tpu", runtimes)
+    twin = type("XpuTwin", (_Xpu,), {"name": "xpu-twin"})
+    with pytest.raises(ValueError, match=r"'auto' is ambiguous for tensors on 'xpu'.*'xpu-test'"):
+        resolve_runtime("auto", {**runtimes, "xpu-twin": twin})
+    assert resolve_runtime("xpu-twin", {**runtimes, "xpu-twin": twin}).named is twin
+    del runtimes["loopback"]
+    with pytest.raises(ValueError, match=r"'auto' needs the activation runtime 'loopback'"):
+        resolve_runtime("auto", runtimes)
+
+
+def test_a_create_that_returns_no_runtime_is_refused() -> None:
+    odd = type("Odd", (ActivationRuntime,), {"name": "odd", "create": classmethod(lambda c, d: 1)})
+    with pytest.raises(TypeError, match=r"Odd\.create returned 1; an activation runtime's"):
+        resolve_runtime("odd", {"odd": odd}).make()
+
+
+class _XpuPlugin:
+    @hookimpl
+    def swapopt_register_activation_runtimes(self) -> list[type[ActivationRuntime]]:
+        return [_Xpu]
+
+
+def test_options_accept_the_runtimes_registered_with_the_default_manager() -> None:
+    with pytest.raises(ValueError) as info:
+        OffloadConfig.from_options({"runtime": "xpu-test"})
+    assert "swapopt_register_activation_runtimes" in str(info.value)
+    manager = get_plugin_manager()
+    plugin = _XpuPlugin()
+    manager.register(plugin)
+    try:
+        assert OffloadConfig.from_options({"runtime": "xpu-test"}).runtime == "xpu-test"
+        session = OffloadSession(OffloadConfig(runtime="xpu-test"))  # the default manager
+        assert type(session._executor.runtimes.make()) is _Xpu
+    finally:
+        manager.unregister(plugin)
 
 
 # ---- loopback-async ----------------------------------------------------------------------

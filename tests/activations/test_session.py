@@ -215,16 +215,24 @@ def test_unknown_planner_is_named(manager) -> None:
         OffloadSession(OffloadConfig(planner="nope"), plugin_manager=manager)
 
 
+def test_unknown_runtime_is_refused_when_the_session_is_created(manager) -> None:
+    config = OffloadConfig(runtime="tpu")  # a plugin may register it: the config cannot know
+    with pytest.raises(
+        ValueError,
+        match=r"OffloadConfig\.runtime='tpu' is not a registered activation runtime\. Choose "
+        r"one of \['auto', 'cuda', 'loopback', 'loopback-async'\], or install or register "
+        r"the plugin that provides it \(swapopt_register_activation_runtimes\)",
+    ):
+        OffloadSession(config, plugin_manager=manager)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [
         ({"max_resident_activation_mb": -1}, ValueError, "max_resident_activation_mb must be >= 0"),
         ({"max_offload_activation_mb": "x"}, TypeError, "max_offload_activation_mb must be a num"),
-        (
-            {"runtime": "tpu"},
-            ValueError,
-            r"runtime must be one of \['auto', 'cuda', 'loopback', 'loopback-async'\]",
-        ),
+        ({"runtime": ""}, ValueError, "runtime must be an activation runtime name"),
+        ({"runtime": None}, ValueError, "runtime must be an activation runtime name"),
         ({"planner": ""}, ValueError, "planner must be a planner name"),
     ],
 )

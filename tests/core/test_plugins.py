@@ -16,6 +16,9 @@ from torch.optim.sgd import sgd
 
 import swapopt_core
 from swapopt_core import (
+    ActivationRuntime,
+    OffloadConfig,
+    OffloadSession,
     OptimizerAdapter,
     SwapOptError,
     SwapOptimizerConfig,
@@ -27,7 +30,7 @@ from swapopt_core import (
     swap_stats,
 )
 from swapopt_core._planning.interface import resolve_planner
-from swapopt_core._plugins import residency_planners
+from swapopt_core._plugins import activation_runtimes, residency_planners
 
 
 class SgdMomentumAdapter(OptimizerAdapter):
@@ -101,8 +104,10 @@ def test_builtins_are_registered_as_plugins(plugin_manager: pluggy.PluginManager
     assert {
         "swapopt_core._torch.plugin",
         "swapopt_core._planning.plugin",
+        "swapopt_core._activations.plugin",
         "swapopt_core._mindspore.plugin",
     } <= names
+    assert sorted(activation_runtimes(plugin_manager)) == ["cuda", "loopback", "loopback-async"]
     runtimes = [
         (r.framework, r.name)
         for batch in plugin_manager.hook.swapopt_register_runtimes()
@@ -158,6 +163,49 @@ def test_the_documented_planner_is_found_by_its_name(plugin_manager: pluggy.Plug
     plugin_manager.register(PlannerPlugin())
     assert resolve_planner("mine", residency_planners(plugin_manager)) is planner
     assert resolve_planner("auto", residency_planners(plugin_manager)).name == "timed"
+
+
+def _wide_step(layers: torch.nn.ModuleList, x: torch.Tensor) -> None:
+    for layer in layers:
+        x = torch.tanh(layer(x))
+    x.sum().backward()
+
+
+@pytest.mark.parametrize("runtime", ["counting", "auto"])
+def test_the_documented_activation_runtime_runs_a_session_bit_exactly(
+    plugin_manager: pluggy.PluginManager, runtime: str
+) -> None:
+    module = _documented_module("Adding an activation runtime")
+    counting = module.CountingLoopback
+    if runtime == "auto":  # the same runtime, declared for CPU tensors: "auto" picks it
+        counting = type("CountingCpu", (counting,), {"name": "counting-cpu"})
+        counting.device_types = ("cpu",)
+    plugin = types.SimpleNamespace(swapopt_register_activation_runtimes=lambda: [counting])
+    hookimpl(plugin.swapopt_register_activation_runtimes)
+    plugin_manager.register(plugin)
+    torch.manual_seed(0)
+    reference = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+    offloaded = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+    offloaded.load_state_dict(reference.state_dict())
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(1))
+    config = OffloadConfig(max_resident_activation_mb=2, min_offload_kib=0, runtime=runtime)
+    session = OffloadSession(config, plugin_manager=plugin_manager)
+    for _ in range(2):  # a warmup, then a replay of its plan
+        reference.zero_grad()
+        offloaded.zero_grad()
+        _wide_step(reference, x)
+        with session:
+            _wide_step(offloaded, x)
+        for a, b in zip(reference.parameters(), offloaded.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+    used = session._executor.runtime
+    assert type(used) is counting
+    stats = session.stats()
+    assert (stats.warmups, stats.replays) == (1, 1)
+    # Six layers keep 12 activations of 512 KiB without the session; the budget binds.
+    assert stats.peak_resident_activation_bytes < 0.5 * 12 * 2048 * 64 * 4
+    assert used.copied == {"out": stats.d2h_bytes, "in": stats.h2d_bytes}
+    assert stats.d2h_bytes > 0 and stats.h2d_bytes > 0
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -261,6 +309,29 @@ def test_duplicate_runtime_names_are_refused(plugin_manager: pluggy.PluginManage
     opt = torch.optim.Adam(_model().parameters())
     with pytest.raises(SwapOptError, match="Two plugins register a torch runtime named 'loopback'"):
         swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback"), plugin_manager=plugin_manager)
+
+
+class _Loopback2(ActivationRuntime):
+    """Inherits the loopback runtime's name."""
+
+
+@pytest.mark.parametrize(
+    ("registered", "pattern"),
+    [
+        ([_Loopback2], r"Two plugins register an activation runtime named 'loopback'.*_Loopback2"),
+        ([ActivationRuntime()], r"must return subclasses of swapopt_core\.ActivationRuntime"),
+        ([_NamedLoopback], r"must return subclasses of swapopt_core\.ActivationRuntime"),
+        ([type("Auto", (ActivationRuntime,), {"name": "auto"})], r"named 'auto'; give it"),
+    ],
+)
+def test_bad_activation_runtime_registrations_are_refused(
+    plugin_manager: pluggy.PluginManager, registered: list, pattern: str
+) -> None:
+    plugin = types.SimpleNamespace(swapopt_register_activation_runtimes=lambda: registered)
+    hookimpl(plugin.swapopt_register_activation_runtimes)
+    plugin_manager.register(plugin)
+    with pytest.raises(SwapOptError, match=pattern):
+        OffloadSession(OffloadConfig(runtime="loopback"), plugin_manager=plugin_manager)
 
 
 class _Observer:

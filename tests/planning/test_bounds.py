@@ -1,11 +1,10 @@
-"""The overhead lower bound and the feasible floor: hand-computed cases, a brute-force
-reference, and validity against many schedules replayed by the simulator (offload, kept
-outputs moved and brought back by the end, recomputation)."""
+"""The overhead lower bound: hand-computed cases, a brute-force reference, and validity
+against many schedules replayed by the simulator (offload, kept outputs moved and brought
+back by the end, recomputation). The floor has its own tests in ``test_floor.py``."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import random
 
@@ -16,71 +15,24 @@ from hypothesis import strategies as st
 from swapopt_core._planning.bounds import (
     _sweep,
     feasible,
-    floor_reason,
-    format_bytes,
-    min_feasible_budget,
     overhead_lower_bound,
     stall_lower_bound_ms,
 )
-from swapopt_core._planning.ir import (
-    Access,
-    AccessKind,
-    ActionKind,
-    ActivationTrace,
-    ResidencySchedule,
-    TraceOp,
-)
+from swapopt_core._planning.ir import ActivationTrace
 from swapopt_core._planning.simulate import TraceIndex, simulate
 from swapopt_core._planning.timed import TimedPlanner
-
-MB = 10**6
-D2H, RELEASE, H2D, RECOMPUTE = (
-    ActionKind.COPY_D2H,
-    ActionKind.RELEASE_DEVICE,
-    ActionKind.COPY_H2D,
-    ActionKind.RECOMPUTE,
+from tests.planning.bound_cases import (
+    MB,
+    RECOMPUTE,
+    RELEASE,
+    any_size,
+    floor_schedule,
+    long_gap,
+    make_trace,
+    random_schedule,
+    random_trace,
+    schedule,
 )
-
-
-def any_size(trace: ActivationTrace) -> ActivationTrace:
-    """``trace`` without a size threshold: storages of any size may be offloaded."""
-    return dataclasses.replace(trace, min_offload_bytes=0)
-
-
-def make_trace(ops, sizes, *, retained=(), limit=None, bw=1.0, ms=None, pure=()):
-    """``ops``: one ``{sid: "R" | "W"}`` per op, 1 ms each unless ``ms`` says; ops listed in
-    ``pure`` are marked ``recompute``; copies at 10**6 bytes per ms."""
-    built = tuple(
-        TraceOp(
-            f"op{i}",
-            1.0 if ms is None else ms[i],
-            tuple(
-                Access(sid, AccessKind.READ if kind == "R" else AccessKind.WRITE)
-                for sid, kind in op.items()
-            ),
-            i in pure,
-        )
-        for i, op in enumerate(ops)
-    )
-    return ActivationTrace(built, sizes, frozenset(retained), limit, bw, bw)
-
-
-def long_gap(extra: dict[int, dict[int, str]], sizes: dict[int, int], limit: int, **kw):
-    """Storage 1 (1 MB) written by op 0 and read by op 5, plus ``extra`` accesses."""
-    ops = [{1: "W"}, {}, {}, {}, {}, {1: "R"}]
-    for op, accesses in extra.items():
-        ops[op] = {**ops[op], **accesses}
-    return make_trace(ops, {1: MB, **sizes}, limit=limit, **kw)
-
-
-def schedule(pre=(), post=()) -> ResidencySchedule:
-    plan = ResidencySchedule()
-    for op, sid, kind in pre:
-        plan.add_pre(op, sid, kind)
-    for op, sid, kind in post:
-        plan.add_post(op, sid, kind)
-    return plan
-
 
 # (trace, expected stall in ms): each is also reached by the planner, so the bound is tight.
 CASES = {
@@ -167,117 +119,6 @@ def test_a_storage_whose_input_is_gone_cannot_be_recomputed():
     # Kept alive (retained) the input allows it.
     kept = dataclasses.replace(trace, retained_sids=frozenset({1}), memory_limit_bytes=2 * MB)
     assert stall_lower_bound_ms(kept) < stall_lower_bound_ms(kept, recompute=False)
-
-
-# ---- kept outputs and the feasible floor ------------------------------------------------------
-
-
-def old_floor(ix: TraceIndex) -> int:
-    """The floor before issue 12: kept outputs unmovable after their last access."""
-    return max(w + r for w, r in zip(ix.working, ix.idle_retained, strict=True))
-
-
-def floor_schedule(trace: ActivationTrace) -> ResidencySchedule:
-    """Before each op, move out everything it does not touch and bring back what it
-    touches: each op holds only its own bytes; kept outputs come back at the end."""
-    ix = TraceIndex(trace)
-    plan = ResidencySchedule()
-    on: set[int] = set()
-    for i in range(ix.n):
-        touched = {sid for sid, _ in ix.accesses[i]}
-        for sid in sorted(on - touched):
-            plan.add_pre(i, sid, D2H)
-            plan.add_pre(i, sid, RELEASE)
-        for sid in sorted(touched - on):
-            if ix.first[sid] < i:
-                plan.add_pre(i, sid, H2D)
-        on = {sid for sid in touched if sid in ix.retained or ix.last[sid] > i}
-    return plan
-
-
-def test_kept_outputs_move_and_the_floor_drops():
-    # Op 1 touches 1 and 2 (3 MB); storage 2 (2 MB) is kept: the old floor held it during
-    # op 3 as well (4 MB). Moved out after op 1 and back at the end, 3 MB hold.
-    trace = make_trace(
-        [{1: "W"}, {1: "R", 2: "W"}, {3: "W"}, {3: "R", 1: "R"}],
-        {1: MB, 2: 2 * MB, 3: MB},
-        retained={2},
-    )
-    assert old_floor(TraceIndex(trace)) == 4 * MB
-    assert min_feasible_budget(trace) == 3 * MB
-    assert feasible(trace.with_limit(3 * MB)) and feasible(trace.with_limit(None))
-    assert not feasible(trace.with_limit(3 * MB - 1))
-    assert overhead_lower_bound(trace.with_limit(3 * MB - 1)) == math.inf
-    limited = trace.with_limit(3 * MB)
-    plan = schedule(post=[(1, 2, D2H)], pre=[(2, 2, RELEASE)])  # back on demand at the end
-    result = simulate(limited, plan)
-    assert result.peak_bytes == 3 * MB
-    assert result.stall_ms >= stall_lower_bound_ms(limited) > 0
-    # (A COPY_H2D in post[3] would land before op 3's natural frees: 4 MB.)
-    assert simulate(limited, floor_schedule(limited)).peak_bytes == 3 * MB
-
-
-def test_kept_outputs_together_set_the_floor():
-    # Every op touches 1 MB, but the two kept outputs are both on the device at the end.
-    trace = make_trace([{1: "W"}, {2: "W"}, {3: "W"}], {1: MB, 2: MB, 3: MB}, retained={1, 2})
-    assert min_feasible_budget(trace) == 2 * MB
-    assert "2 retained storages" in floor_reason(trace)
-    assert stall_lower_bound_ms(trace.with_limit(2 * MB - 1)) == math.inf
-    assert simulate(trace.with_limit(2 * MB), floor_schedule(trace)).peak_bytes == 2 * MB
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_random_traces_with_kept_outputs_reach_the_new_floor(seed):
-    rng = random.Random(500 + seed)
-    lowered = 0
-    for _ in range(40):
-        trace = random_trace(rng, rng.randint(3, 16), rng.randint(2, 10), kept=3)
-        ix = TraceIndex(trace)
-        floor = min_feasible_budget(trace, index=ix)
-        result = simulate(trace, floor_schedule(trace))
-        assert result.peak_bytes == floor <= old_floor(ix)
-        lowered += floor < old_floor(ix)
-    assert lowered >= 5  # budgets the old floor called infeasible, reached by a schedule
-
-
-def test_floor_reason_names_the_op_and_its_bytes():
-    trace = make_trace(
-        [{1: "W"}, {1: "R", 2: "W"}, {3: "W"}], {1: 100, 2: 3 * 2**20, 3: 10}, retained={3}
-    )
-    reason = floor_reason(trace)
-    assert reason.startswith("op 1 (op1) reads and writes 3.00 MiB")
-    assert "2 storages, the largest 3.00 MiB" in reason
-    tiny = make_trace([{1: "W"}], {1: 100})
-    assert (
-        floor_reason(tiny)
-        == "op 0 (op0) reads and writes 100 B of activations by itself (1 storage)"
-    )
-
-
-def test_the_infeasible_budget_warning_names_the_op_and_the_floor(caplog):
-    ops = [{1: "W"}, {1: "R", 2: "W"}, {3: "W"}, {3: "R"}, {}, {2: "R"}]
-    trace = make_trace(ops, {1: 300, 2: 3 * 2**20, 3: 2**20}, limit=0)
-    with caplog.at_level(logging.WARNING, logger="swapopt_core._planning.timed"):
-        TimedPlanner().plan(any_size(trace))
-    assert "Activation budget 0 B is infeasible: no schedule holds less than 3.00 MiB" in (
-        caplog.text
-    )
-    assert "op 1 (op1) reads and writes 3.00 MiB of activations by itself" in caplog.text
-    assert "0.0 MiB" not in caplog.text
-
-
-@pytest.mark.parametrize(
-    ("nbytes", "text"),
-    [
-        (0, "0 B"),
-        (1023, "1023 B"),
-        (1024, "1.00 KiB"),
-        (46 * 2**20, "46.0 MiB"),
-        (3 * 2**30, "3.00 GiB"),
-    ],
-)
-def test_sizes_are_written_in_a_unit_that_fits(nbytes, text):
-    assert format_bytes(nbytes) == text
 
 
 # ---- a brute-force reference and random traces --------------------------------------------
@@ -385,65 +226,6 @@ def reference_stall(trace: ActivationTrace, recompute: bool = True) -> float:
     ]
     pairs = (per_op[i][0] + per_op[j][1] for j in range(n) for i in range(j))
     return max(max(op[2] for op in per_op), max(pairs, default=0.0))
-
-
-def random_trace(
-    rng: random.Random, n_ops: int, n_storages: int, *, kept: int = 2, pure: float = 0.0
-) -> ActivationTrace:
-    ops: list[dict[int, str]] = [{} for _ in range(n_ops)]
-    sizes = {}
-    for sid in range(n_storages):
-        created = rng.randrange(n_ops - 1)
-        sizes[sid] = rng.randint(1, 8) * MB // 4
-        ops[created][sid] = "W"
-        for op in rng.sample(
-            range(created + 1, n_ops), min(rng.randint(0, 3), n_ops - created - 1)
-        ):
-            ops[op][sid] = rng.choice("RRRW")
-    built = tuple(
-        TraceOp(
-            f"op{i}",
-            rng.choice([0.0, rng.uniform(0.05, 2.0)]),
-            tuple(
-                Access(s, AccessKind.READ if k == "R" else AccessKind.WRITE) for s, k in op.items()
-            ),
-            rng.random() < pure,
-        )
-        for i, op in enumerate(ops)
-    )
-    retained = frozenset(rng.sample(range(n_storages), min(kept, n_storages)))
-    return ActivationTrace(
-        built, sizes, retained, None, rng.uniform(0.2, 4.0), rng.uniform(0.2, 4.0)
-    )
-
-
-def random_schedule(rng: random.Random, trace: ActivationTrace) -> ResidencySchedule:
-    """Move random gaps (kept outputs after their last access too) with random release and
-    reload points; storages of ops marked recompute are sometimes released without a copy
-    and made again (planned, or on demand at their reader)."""
-    ix = TraceIndex(trace)
-    plan = ResidencySchedule()
-    for sid, accesses in ix.by_storage.items():
-        uses = [*accesses, (ix.n, False)] if sid in ix.retained else accesses
-        last_write = accesses[0][0]
-        for (a, wrote), (b, _) in zip(uses, uses[1:], strict=False):
-            last_write = a if wrote else last_write
-            if b - a < 2 or rng.random() < 0.4:
-                continue
-            release = rng.randint(a + 1, b - 1)
-            reload = rng.randint(release + 1, b)
-            if sid in ix.producer and rng.random() < 0.5:
-                plan.add_pre(release, sid, RELEASE)
-                if reload < ix.n and rng.random() < 0.7:
-                    plan.add_pre(reload, sid, RECOMPUTE)
-                continue
-            plan.add_post(last_write, sid, D2H)
-            plan.add_pre(release, sid, RELEASE)
-            if reload < ix.n:
-                plan.add_pre(reload, sid, H2D)
-            elif rng.random() < 0.5:
-                plan.add_post(ix.n - 1, sid, H2D)
-    return plan
 
 
 def check_schedules(trace: ActivationTrace, plans) -> int:

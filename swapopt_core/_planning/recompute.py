@@ -31,6 +31,7 @@ negligible or its trials are spent (``MAX_TRIALS``, fewer on long traces).
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from swapopt_core._planning.ir import (
     ResidencySchedule,
     TraceOp,
 )
-from swapopt_core._planning.simulate import SimulationResult, TraceIndex, simulate
+from swapopt_core._planning.simulate import TraceIndex, simulate
 
 logger = logging.getLogger(__name__)
 
@@ -256,13 +257,14 @@ def virtual_plan(
 class _Trial:
     chosen: frozenset[RecomputeGap]
     schedule: ResidencySchedule
-    result: SimulationResult
-    budget: int
+    over_budget: bool
+    total_ms: float
+    overhead: float
 
     def better_than(self, other: _Trial) -> bool:
-        mine = (self.result.peak_bytes > self.budget, self.result.total_ms)
-        theirs = (other.result.peak_bytes > other.budget, other.result.total_ms)
-        return mine[0] < theirs[0] or (mine[0] == theirs[0] and mine[1] < theirs[1] - 1e-9)
+        if self.over_budget != other.over_budget:
+            return other.over_budget
+        return self.total_ms < other.total_ms - 1e-9
 
 
 #: Trials (each a full offload placement and replay) one plan may spend on the choice...
@@ -292,14 +294,20 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
     def trial(chosen: frozenset[RecomputeGap]) -> _Trial:
         if chosen not in seen:
             schedule = virtual_plan(ix, sorted(chosen, key=_order), budget, place)
-            result = simulate(ix.trace, schedule, record=False, index=ix)
+            try:
+                result = simulate(ix.trace, schedule, record=False, index=ix)
+            except ValueError as error:  # a mapping the replay refuses: never chosen
+                logger.debug("recompute trial of %d gaps refused: %s", len(chosen), error)
+                seen[chosen] = _Trial(chosen, schedule, True, math.inf, math.inf)
+                return seen[chosen]
             logger.debug(
                 "recompute trial: %d gaps, overhead %.2f %%, peak/budget %.3f",
                 len(chosen),
                 100 * result.overhead,
                 result.peak_bytes / budget,
             )
-            seen[chosen] = _Trial(chosen, schedule, result, budget)
+            over = result.peak_bytes > budget
+            seen[chosen] = _Trial(chosen, schedule, over, result.total_ms, result.overhead)
         return seen[chosen]
 
     best = trial(frozenset())
@@ -334,15 +342,14 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
         len(best.chosen),
         len(gaps),
         len(seen),
-        100 * best.result.overhead,
+        100 * best.overhead,
     )
     return best.schedule
 
 
 def _settled(best: _Trial, seen: dict, trials: int) -> bool:
     """No more trials: ``trials`` have run, or nothing is left to win."""
-    fits = best.result.peak_bytes <= best.budget
-    return len(seen) >= trials or (fits and best.result.overhead < NEGLIGIBLE)
+    return len(seen) >= trials or (not best.over_budget and best.overhead < NEGLIGIBLE)
 
 
 def _order(g: RecomputeGap) -> tuple[int, int, int]:

@@ -149,16 +149,17 @@ class TimedPlanner(ResidencyPlanner):
         check = simulate(trace, schedule, record=False, index=ix)
         if check.peak_bytes > budget:
             logger.warning(
-                "Activation plan peaks at %.1f MiB over the %.1f MiB budget.",
-                check.peak_bytes / 2**20,
-                budget / 2**20,
+                "Activation plan peaks at %s, over the %s budget.",
+                format_bytes(check.peak_bytes),
+                format_bytes(budget),
             )
         logger.info(
-            "timed planner: %d actions, simulated peak %.1f MiB (budget %.1f MiB), "
+            "timed planner: %d actions (%d recomputes), simulated peak %s (budget %s), "
             "overhead %.1f %%",
             len(schedule),
-            check.peak_bytes / 2**20,
-            budget / 2**20,
+            check.recomputes,
+            format_bytes(check.peak_bytes),
+            format_bytes(budget),
             100 * check.overhead,
         )
         return schedule

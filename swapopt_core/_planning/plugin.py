@@ -1,4 +1,4 @@
-"""The built-in activation planner, registered like any plugin planner."""
+"""The built-in activation planners, registered like any plugin planner."""
 
 from __future__ import annotations
 
@@ -11,5 +11,7 @@ from swapopt_core.hookspecs import hookimpl
 
 @hookimpl
 def swapopt_register_planners() -> Iterable[ResidencyPlanner]:
-    """The time-aware planner ``"timed"`` (what ``OffloadConfig(planner="auto")`` picks)."""
-    return [TimedPlanner()]
+    """The time-aware planner ``"timed"`` (what ``OffloadConfig(planner="auto")`` picks), which
+    chooses between keeping, offloading and recomputing, and ``"offload-only"``, the same
+    planner moving bytes only (for ops whose recomputation should be avoided)."""
+    return [TimedPlanner(), TimedPlanner(recompute=False)]

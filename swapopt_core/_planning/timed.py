@@ -119,7 +119,7 @@ class TimedPlanner(ResidencyPlanner):
     Args:
         max_rounds: Repair passes before giving up on an over-budget op.
         recompute: Choose between keeping, offloading and recomputing; ``False`` plans
-            offloads only.
+            offloads only (registered as ``"offload-only"``).
     """
 
     name = "timed"
@@ -127,6 +127,7 @@ class TimedPlanner(ResidencyPlanner):
     def __init__(self, max_rounds: int = 64, *, recompute: bool = True) -> None:
         self.max_rounds = int(max_rounds)
         self.recompute = bool(recompute)
+        self.name = "timed" if self.recompute else "offload-only"
 
     def plan(self, trace: ActivationTrace) -> ResidencySchedule:
         """Plan ``trace`` under ``trace.memory_limit_bytes`` (see the module docstring)."""

@@ -190,6 +190,7 @@ def test_registered_as_the_default_planner():
     planners = residency_planners(new_plugin_manager(load_entrypoints=False))
     assert isinstance(planners["timed"], TimedPlanner)
     assert resolve_planner("auto", planners) is planners[DEFAULT_PLANNER] is planners["timed"]
+    assert planners["timed"].recompute and not planners["offload-only"].recompute
 
 
 def test_an_unknown_planner_name_lists_the_registered_ones():

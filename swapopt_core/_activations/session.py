@@ -49,6 +49,12 @@ class OffloadStats:
             (the storage stayed on the device).
         planned_actions: Actions in the current schedule.
         budget_bytes: The device budget.
+        gradient_bytes: Bytes of the parameter gradients (``.grad`` of leaf tensors) that
+            autograd created inside the last entry that traced the step; replays of its plan
+            create the same. They are not activations: they do not count toward
+            ``max_resident_activation_mb`` or the peaks above (a warmup counts one only from
+            the op that computes it until autograd stores it in ``.grad``) and are never
+            moved. 0 when the gradients existed before the entry (accumulated in place).
     """
 
     peak_resident_activation_bytes: int
@@ -62,6 +68,7 @@ class OffloadStats:
     host_cap_refusals: int
     planned_actions: int
     budget_bytes: int
+    gradient_bytes: int = 0
 
 
 class OffloadSession:
@@ -199,6 +206,7 @@ class OffloadSession:
             host_cap_refusals=counts["refusals"],
             planned_actions=len(executor.schedule) if executor.schedule is not None else 0,
             budget_bytes=self.config.budget_bytes,
+            gradient_bytes=counts["gradients"],
         )
 
     # ---- opaque regions ------------------------------------------------------------------

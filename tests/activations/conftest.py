@@ -30,7 +30,8 @@ class OffloadEveryGap(ResidencyPlanner):
         seen: dict[int, list[tuple[int, AccessKind]]] = {}
         for index, op in enumerate(trace.ops):
             for access in op.accesses:
-                seen.setdefault(access.storage_id, []).append((index, access.kind))
+                if access.storage_id in trace.storage_sizes:  # not parameter gradients
+                    seen.setdefault(access.storage_id, []).append((index, access.kind))
         for sid, accesses in seen.items():
             offloaded = False
             for (here, _), (there, _) in zip(accesses, accesses[1:], strict=False):

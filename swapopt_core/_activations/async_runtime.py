@@ -131,6 +131,9 @@ class AsyncLoopbackRuntime(ActivationRuntime):
             # The host is about to reuse or drop the host buffer this copy touches.
             ticket.wait()
 
+    def done(self, ticket: Ticket | None) -> bool:
+        return ticket is None or ticket.done()
+
     def synchronize(self) -> None:
         # Leaving the session: every copy must be done before anyone reads the data.
         for lane in (self.d2h, self.h2d):

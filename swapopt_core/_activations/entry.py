@@ -20,16 +20,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from swapopt_core._activations.gradients import GradientWatch
 from swapopt_core._activations.guards import CompileWatch, compiled_refusal
-from swapopt_core._activations.recording import call_devices, fresh_outputs
-from swapopt_core._activations.residency import Residency, Tracked
+from swapopt_core._activations.replay import tables_for
+from swapopt_core._activations.replay_path import ReplayPath
+from swapopt_core._activations.residency import Residency
 from swapopt_core._activations.runtime import ActivationRuntime
 from swapopt_core._planning.ir import (
     Access,
     AccessKind,
-    Action,
-    ActionKind,
     ActivationTrace,
     ResidencySchedule,
     TraceOp,
@@ -55,7 +53,6 @@ class _Open:
     inputs: set[torch.UntypedStorage] = field(default_factory=set)
     accesses: dict[int, AccessKind] = field(default_factory=dict)
     outputs: dict[int, int] = field(default_factory=dict)  # sid -> output position
-    devices: frozenset[str] | None = None  # recording: set when it may be recomputed
 
 
 def _storage(value: object) -> torch.UntypedStorage | None:
@@ -108,7 +105,7 @@ class _Mode(TorchDispatchMode):
         return self.entry.dispatch(func, args, kwargs or {})
 
 
-class Entry:
+class Entry(ReplayPath):
     """One entry of a session: a warmup that records, or a replay of ``trace`` and ``schedule``.
 
     Args:
@@ -134,12 +131,14 @@ class Entry:
         self.diverged = False
         self.trace = trace if self.replaying else None
         self.schedule = schedule if self.replaying else None
+        self.tables = tables_for(trace, schedule) if self.replaying else None
+        self._init_replay()
         self.ops_planned = len(trace.ops) if trace is not None and self.replaying else 0
         self.op = -1
         self.opaque = 0
         # Storages made after a fall-back get ids the trace does not use.
         self.next_sid = 1 + max(trace.storage_sizes, default=0) if trace is not None else 1
-        self.ops: list[tuple[str, Any, Any, tuple[Access, ...], bool]] = []
+        self.ops: list[tuple[str, Any, Any, tuple[Access, ...]]] = []
         self._virtual: list[_Open] = []
         self.mode = _Mode(self)
         self.closed = False  # set when the entry ends; a late backward region is ignored
@@ -147,13 +146,16 @@ class Entry:
         self._check: Any = None  # the runtime's per-op ordering check, if it has one
         self.compiled = CompileWatch()
         self.pinned: set[int] = set()  # storages the warmup saw shared outside torch
-        self.gradients = GradientWatch(self)  # parameter gradients: not activations
 
     def _start(self, inputs: object) -> None:
         """The first op: take the runtime that serves the device its tensors are on."""
         self.runtime, pool = self.executor.runtime_for(_device_of(inputs))
         self.residency = Residency(self.runtime, pool)
         self._check = self.runtime.begin_entry()
+        self.residency.regenerate = self._regenerate
+        if self.replaying and not self.tables.track_all:
+            # Nothing is registered (the plan has no action): the plan's peak stands for it.
+            self.residency.peak_bytes = self.tables.planned_peak
 
     # ---- the op path ---------------------------------------------------------------------
 
@@ -169,30 +171,24 @@ class Entry:
         if self._check is not None:
             self._check()
         name = func.__name__
-        if self.replaying and not self._matches(name):
-            self._diverge(f"op {self.op + 1} is {name}")
+        if self.replaying:
+            index = self.op + 1
+            if index < self.ops_planned and name == self.tables.names[index]:
+                return self._replay(index, func, args, kwargs)
+            self._diverge(f"op {index} is {name}")
         opened = self._begin(name, (args, kwargs), _written(func, args, kwargs))
-        if self.recording:
-            opened.devices = call_devices(func, args, kwargs)
         return self._end(opened, func(*args, **kwargs))
 
     def _matches(self, name: str) -> bool:
         index = self.op + 1
-        return index < self.ops_planned and self.trace.ops[index].name == name
+        return index < self.ops_planned and self.tables.names[index] == name
 
     def _begin(self, name: str, inputs: object, written: list[torch.Tensor]) -> _Open:
         residency = self.residency
         self.op += 1
         opened = _Open(self.op, name, None)
         if self.replaying:
-            for action in self.schedule.pre.get(self.op, ()):
-                self._apply(action)
-            for access in self.trace.ops[self.op].accesses:
-                if access.kind is _WRITE and access.output is None:  # written in place
-                    entry = residency.by_sid.get(access.storage_id)
-                    if entry is not None:
-                        residency.written(entry)
-            self._ready_inputs(inputs)
+            self._replay_pre(self.op)
         else:
             writes = {id(t) for t in written}
             for value in tree_leaves(inputs):
@@ -200,13 +196,9 @@ class Entry:
                 if storage is None:
                     continue
                 opened.inputs.add(storage)
-                if value.requires_grad and value.is_leaf:
-                    self.gradients.watch(value)
                 entry = residency.by_storage.get(storage)
                 if entry is None:
                     continue
-                if not entry.resident:
-                    self.gradients.paged_in(entry)
                 residency.ready(entry)
                 if not storage.resizable():  # .numpy() shares it: the plan must keep it
                     self.pinned.add(entry.sid)
@@ -215,9 +207,6 @@ class Entry:
                     residency.written(entry)
                 else:
                     opened.accesses.setdefault(entry.sid, AccessKind.READ)
-            self.gradients.sample(residency.resident_bytes)
-            # What it paged in may exceed the budget: make room before its outputs come.
-            self._evict(protected=set(opened.accesses))
         opened.start = self.runtime.stamp() if self.recording else None
         return opened
 
@@ -225,9 +214,7 @@ class Entry:
         residency = self.residency
         end = self.runtime.stamp() if self.recording else None
         if self.replaying:
-            self._bind_replay(opened.index, out)
-            for action in self.schedule.post.get(opened.index, ()):
-                self._apply(action)
+            self._replay_post(opened.index, out)
             return out
         for position, value in enumerate(tree_leaves(out)):
             storage = _storage(value)
@@ -245,11 +232,7 @@ class Entry:
             accesses = tuple(
                 Access(sid, kind, opened.outputs.get(sid)) for sid, kind in opened.accesses.items()
             )
-            recompute = opened.devices is not None and fresh_outputs(
-                out, opened.devices, opened.inputs, residency.by_storage, opened.outputs
-            )
-            self.ops.append((opened.name, opened.start, end, accesses, recompute))
-        self.gradients.sample(residency.resident_bytes, opened.index)
+            self.ops.append((opened.name, opened.start, end, accesses))
         self._evict(protected=set(opened.accesses))
         return out
 
@@ -260,81 +243,46 @@ class Entry:
         residency = self.residency
         if residency is None or (not residency.released and not residency.pending_in):
             return  # nothing is away or in flight: the common, cheap case
-        for value in tree_leaves(inputs):
-            storage = _storage(value)
-            entry = residency.by_storage.get(storage) if storage is not None else None
-            if entry is not None:
+        # Matched by object among the storages away or in flight (a replay registers its
+        # storages by id only).
+        storages = {id(s) for value in tree_leaves(inputs) if (s := _storage(value)) is not None}
+        by_sid = residency.by_sid
+        for sid in [*residency.released, *residency.pending_in]:
+            entry = by_sid.get(sid)
+            if entry is not None and id(entry.storage()) in storages:
                 residency.ready(entry)
 
     # ---- warmup: online eviction ---------------------------------------------------------
 
     def _evict(self, protected: set[int]) -> None:
-        """Bring the resident bytes under the budget: storages of at least
-        ``min_offload_bytes`` first (oldest, then largest), then, when that is not enough,
-        the smaller ones too (oldest first)."""
         residency = self.residency
         if residency.resident_bytes <= self.budget:
             return
-        movable = [
-            e
-            for e in residency.by_sid.values()
-            if e.alive and e.resident and e.sid not in protected
-        ]
-        large = sorted(
-            (e for e in movable if e.nbytes >= self.min_offload),
+        candidates = sorted(
+            (
+                e
+                for e in residency.by_sid.values()
+                if e.alive
+                and e.resident
+                and e.sid not in protected
+                and e.nbytes >= self.min_offload
+            ),
             key=lambda e: (e.produced_at, -e.nbytes),
         )
-        small = sorted(
-            (e for e in movable if e.nbytes < self.min_offload), key=lambda e: e.produced_at
-        )
-        for entry in (*large, *small):
+        for entry in candidates:
             if residency.resident_bytes <= self.budget:
                 break
             if residency.copy_out(entry):
                 residency.release(entry)
-                if not entry.resident:
-                    self.gradients.released(entry)
 
     # ---- replay --------------------------------------------------------------------------
-
-    def _bind_replay(self, index: int, out: Any) -> None:
-        """Register the storages op ``index`` made, found at their recorded output positions."""
-        trace, residency = self.trace, self.residency
-        leaves = None
-        for access in trace.ops[index].accesses:
-            position = access.output
-            if position is None or access.storage_id not in trace.storage_sizes:
-                continue  # not an activation (a parameter gradient): never tracked
-            if leaves is None:
-                leaves = tree_leaves(out)
-            storage = _storage(leaves[position]) if position < len(leaves) else None
-            nbytes = trace.storage_sizes.get(access.storage_id)
-            if storage is None or storage.nbytes() != nbytes:
-                # Its outputs stay untracked (never offloaded): safe, just not in budget.
-                self._diverge(f"op {index} ({trace.ops[index].name}) made other outputs")
-                return
-            if storage not in residency.by_storage:
-                residency.track(storage, access.storage_id, index)
-
-    def _apply(self, action: Action) -> None:
-        residency = self.residency
-        entry: Tracked | None = residency.by_sid.get(action.storage_id)
-        if entry is None or not entry.alive:
-            return
-        kind = action.kind
-        if kind is ActionKind.COPY_D2H:
-            residency.copy_out(entry)
-        elif kind is ActionKind.RELEASE_DEVICE:
-            residency.release(entry)
-        elif kind is ActionKind.COPY_H2D:
-            residency.copy_in(entry)
-        elif kind is ActionKind.RELEASE_HOST:
-            residency.release_host(entry)
 
     def _diverge(self, why: str) -> None:
         """Stop replaying: bring everything back and go on as the executor decides."""
         logger.info("activation replay diverged from the trace (%s)", why)
-        self.residency.restore_all()
+        residency = self.residency
+        residency.restore_all()  # recomputes what has no host copy
+        residency.index_storages()  # the warmup that follows finds storages by object
         self.diverged = True
         self.replaying = False
         self.recording = self.executor.trace_after_miss(self.op + 1)
@@ -377,8 +325,8 @@ class Entry:
         """The recorded ops with their durations (needs every stamp to be complete)."""
         runtime = self.runtime
         return [
-            TraceOp(name, runtime.elapsed_ms(start, end), accesses, recompute)
-            for name, start, end, accesses, recompute in self.ops
+            TraceOp(name, runtime.elapsed_ms(start, end), accesses)
+            for name, start, end, accesses in self.ops
         ]
 
     def storage_sizes(self) -> dict[int, int]:
@@ -403,7 +351,5 @@ class Entry:
         """The entry ended: restore what is still alive; late region calls are ignored."""
         self.closed = True
         self.compiled.stop()
-        self.gradients.close()
         if self.residency is not None:
             self.residency.close()
-            self.gradients.sample(self.residency.resident_bytes)  # all back on the device

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,9 @@ class HostPool:
     """Host buffers for offloaded activations: exact sizes, reused by size, capped.
 
     Replays offload the same sizes every step, so a free list per exact size serves them
-    without new allocations (and, on CUDA, without registering new pages).
+    without new allocations (and, on CUDA, without registering new pages). A buffer comes
+    back with the tickets of the copies that last used it and is handed out again only once
+    they are done: a finished one is preferred, and the host waits only when none is.
     """
 
     def __init__(self, runtime: ActivationRuntime, cap_bytes: int) -> None:
@@ -39,13 +42,22 @@ class HostPool:
         self.allocated = 0
         self.peak = 0
         self.exhausted = False  # a host allocation failed (MemoryError) at least once
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free: dict[int, list[tuple[torch.Tensor, tuple[Any, ...]]]] = {}
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
         """A host buffer of ``nbytes``, or ``None`` when the cap leaves no room."""
         free = self._free.get(nbytes)
         if free:
-            return free.pop()
+            done = self.runtime.done
+            for index, (host, tickets) in enumerate(free):
+                if all(done(t) for t in tickets):
+                    del free[index]
+                    return host
+            host, tickets = free.pop(0)  # the oldest: its copies were queued first
+            for ticket in tickets:
+                # The buffer is about to be written again: its last copies must be done.
+                self.runtime.host_wait(ticket)
+            return host
         if self.allocated + nbytes > self.cap_bytes:
             self._trim(self.allocated + nbytes - self.cap_bytes)
             if self.allocated + nbytes > self.cap_bytes:
@@ -55,13 +67,18 @@ class HostPool:
         self.peak = max(self.peak, self.allocated)
         return host
 
-    def release(self, host: torch.Tensor) -> None:
-        self._free.setdefault(host.numel(), []).append(host)
+    def release(self, host: torch.Tensor, tickets: tuple[Any, ...] = ()) -> None:
+        """Take ``host`` back; ``tickets`` are the copies that may still be using it."""
+        pending = tuple(t for t in tickets if t is not None)
+        self._free.setdefault(host.numel(), []).append((host, pending))
 
     def _trim(self, needed: int) -> None:
         for size in sorted(self._free, reverse=True):
             while self._free[size] and needed > 0:
-                self._free[size].pop()
+                _, tickets = self._free[size].pop()
+                for ticket in tickets:
+                    # The buffer is freed now: no copy may still be using it.
+                    self.runtime.host_wait(ticket)
                 self.allocated -= size
                 needed -= size
 
@@ -83,6 +100,7 @@ class Tracked:
     host_valid: bool = False  # the host copy equals the device bytes
     d2h: Any = None  # ticket of a copy out still reading the storage
     h2d: Any = None  # ticket of a copy in still writing it
+    recipe: Any = None  # how to regenerate it without a host copy (replay.Recipe)
 
     def storage(self) -> torch.UntypedStorage | None:
         return self.ref()
@@ -105,6 +123,8 @@ class Residency:
         self.d2h_bytes = 0
         self.h2d_bytes = 0
         self.host_cap_refusals = 0
+        # Regenerates a released storage that has a recipe and no host copy (replay sets it).
+        self.regenerate: Callable[[Tracked], None] | None = None
 
     # ---- registration --------------------------------------------------------------------
 
@@ -116,25 +136,42 @@ class Residency:
         self._add(entry.nbytes)
         return entry
 
+    def track_sid(self, storage: torch.UntypedStorage, sid: int, op: int) -> Tracked:
+        """``track`` for a replay, which knows its storages by id only: no lookup by storage,
+        and a plain weak reference reports the death (cheaper than ``weakref.finalize``)."""
+        entry = Tracked(sid, storage.nbytes(), op, None)  # type: ignore[arg-type]
+        died = self._died
+        entry.ref = weakref.ref(storage, lambda _ref: died(entry))
+        self.by_sid[sid] = entry
+        self.resident_bytes += entry.nbytes
+        if self.resident_bytes > self.peak_bytes:
+            self.peak_bytes = self.resident_bytes
+        return entry
+
     def _add(self, nbytes: int) -> None:
         self.resident_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes)
 
     def _died(self, entry: Tracked) -> None:
         entry.alive = False
+        entry.recipe = None  # its inputs may go now
         if entry.resident:
             self.resident_bytes -= entry.nbytes
             entry.resident = False
         self.released.discard(entry.sid)
         self.pending_in.discard(entry.sid)
+        runtime = self.runtime
+        for ticket in (entry.d2h, entry.h2d):
+            if ticket is not None and not runtime.done(ticket):
+                # The freed block may be reused by the next op: that op must come after the
+                # copy still using it (stream-ordered on CUDA, no host block).
+                runtime.wait(ticket)
         self._drop_host(entry)
 
     def _drop_host(self, entry: Tracked) -> None:
         if entry.host is not None:
-            # The pool hands this buffer out again: no copy may still be using it.
-            self.runtime.host_wait(entry.d2h)
-            self.runtime.host_wait(entry.h2d)
-            self.pool.release(entry.host)
+            # No host wait: the pool hands the buffer out again once these copies are done.
+            self.pool.release(entry.host, (entry.d2h, entry.h2d))
             entry.host, entry.host_valid = None, False
         entry.d2h = entry.h2d = None
 
@@ -171,9 +208,12 @@ class Residency:
         return True
 
     def release(self, entry: Tracked) -> None:
-        """Free ``entry``'s device bytes; its host copy must exist (or be on its way)."""
+        """Free ``entry``'s device bytes; its host copy must exist (or be on its way), or
+        it must have a recipe whose inputs are unchanged (``replay.Recipe``)."""
         storage = entry.storage()
-        if storage is None or not entry.resident or not entry.host_valid:
+        if storage is None or not entry.resident:
+            return
+        if not entry.host_valid and (entry.recipe is None or not entry.recipe.intact()):
             return
         if not storage.resizable():  # shared with NumPy since it was copied: it stays
             return
@@ -187,9 +227,13 @@ class Residency:
         storage.resize_(0)
 
     def copy_in(self, entry: Tracked) -> None:
-        """Re-allocate ``entry`` and start copying its bytes back (a prefetch)."""
+        """Re-allocate ``entry`` and start copying its bytes back (a prefetch); one without a
+        host copy is regenerated from its recipe instead."""
         storage = entry.storage()
         if storage is None or entry.resident:
+            return
+        if not entry.host_valid:
+            self.recompute(entry)
             return
         storage.resize_(entry.nbytes)
         ticket = self.runtime.copy_in(storage, entry.host)
@@ -209,22 +253,37 @@ class Residency:
             entry.h2d = None
         self.pending_in.discard(entry.sid)
 
-    def untrack(self, entry: Tracked) -> None:
-        """Stop tracking ``entry`` (a parameter gradient): back on the device, its host copy
-        dropped, out of the resident bytes; nothing moves it again."""
-        self.ready(entry)
-        self._drop_host(entry)
-        if entry.resident:
-            self.resident_bytes -= entry.nbytes
-            entry.resident = False  # so its death later subtracts nothing
-        self.by_sid.pop(entry.sid, None)
-        storage = entry.storage()
-        if storage is not None:
-            self.by_storage.pop(storage, None)
-
     def written(self, entry: Tracked) -> None:
-        """``entry`` was modified on the device: its host copy is stale."""
+        """``entry`` is about to be modified on the device: its host copy is stale, and its
+        recipe no longer makes these bytes."""
+        if entry.d2h is not None:
+            # The write must not overtake a copy out still reading the old bytes.
+            self.runtime.wait(entry.d2h)
         entry.host_valid = False
+        entry.recipe = None
+
+    def recompute(self, entry: Tracked) -> None:
+        """Bring a released ``entry`` back by re-running the op that made it (its recipe)."""
+        if entry.resident or not entry.alive:
+            return
+        if entry.recipe is None or self.regenerate is None:
+            raise RuntimeError(
+                f"Activation storage {entry.sid} is off the device with neither a host copy "
+                "nor a recipe to recompute it; this is a bug in the replay, please report it."
+            )
+        self.regenerate(entry)
+        # Marked resident once its bytes are back: a failure before leaves it released.
+        entry.resident = True
+        self.released.discard(entry.sid)
+        self._add(entry.nbytes)
+
+    def index_storages(self) -> None:
+        """Make every live storage findable by object (``by_storage``), as ``track`` does:
+        a warmup that follows a replay looks them up that way."""
+        for entry in self.by_sid.values():
+            storage = entry.storage() if entry.alive else None
+            if storage is not None:
+                self.by_storage[storage] = entry
 
     def release_host(self, entry: Tracked) -> None:
         if entry.resident:

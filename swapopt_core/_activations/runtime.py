@@ -258,6 +258,15 @@ class ActivationRuntime:
         """Block the host until the copy ``ticket`` stands for is done (before the host
         buffer it touches is reused or dropped)."""
 
+    def done(self, ticket: Any) -> bool:
+        """Whether the copy ``ticket`` stands for has finished, without blocking.
+
+        The host pool asks before handing a buffer out again. This default treats every
+        ticket but ``None`` as still running (the pool then host-waits on it): an
+        asynchronous runtime overrides it.
+        """
+        return ticket is None
+
     def synchronize(self) -> None:
         """Block until every copy issued so far is done (when the entry ends)."""
 
@@ -403,6 +412,9 @@ class CudaActivationRuntime(ActivationRuntime):
         if ticket is not None:
             # The host is about to reuse or drop the host buffer this copy touches.
             ticket.synchronize()
+
+    def done(self, ticket: torch.cuda.Event | None) -> bool:
+        return ticket is None or ticket.query()
 
     def synchronize(self) -> None:
         # Leaving the session: every copy must be done before anyone reads the data.

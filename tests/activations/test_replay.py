@@ -42,7 +42,7 @@ def test_a_session_replays_bit_exactly_from_a_plan_read_back_from_json(
     with recorder:
         _step(model, x, seed=0)
     trace, schedule = _through_json(recorder.trace, recorder.schedule)
-    assert {a.kind for _, _, a in schedule.actions()} == set(ActionKind)
+    assert {a.kind for _, _, a in schedule.actions()} == set(ActionKind) - {ActionKind.RECOMPUTE}
 
     reference, replayed = Net(), Net()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)

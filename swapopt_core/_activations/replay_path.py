@@ -1,0 +1,190 @@
+"""The replay side of a session entry: what one op of a replay does, from precomputed tables.
+
+``ReplayPath`` is mixed into ``Entry``. Per op it compares the op's name with the trace,
+runs the ``pre`` actions due, readies the storages the op touches when something is away or
+in flight, marks in-place writes, runs the op, registers the storages some action needs (by
+id, at their recorded output positions), keeps the recipes of storages to recompute, runs
+the ``post`` actions, and holds the plan's peak: when the live activation bytes exceed the
+plan's simulated peak, or would once the op made its outputs, it evicts the oldest storages
+the op does not touch (copy out, then release) rather than overshoot.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from swapopt_core._activations.replay import ReplayTables, drop_recipes, keep_recipes
+from swapopt_core._activations.residency import Residency, Tracked
+from swapopt_core._planning.ir import Action, ActionKind
+
+if TYPE_CHECKING:
+    from swapopt_core._activations.replay import Recipe
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ReplayPath"]
+
+_D2H, _RELEASE, _H2D, _RELEASE_HOST, _RECOMPUTE = (
+    ActionKind.COPY_D2H,
+    ActionKind.RELEASE_DEVICE,
+    ActionKind.COPY_H2D,
+    ActionKind.RELEASE_HOST,
+    ActionKind.RECOMPUTE,
+)
+
+
+class ReplayPath:
+    """Replay methods of ``Entry`` (see the module doc). The entry sets ``tables``."""
+
+    tables: ReplayTables
+    residency: Residency
+    op: int
+    quiet: int
+
+    def _init_replay(self) -> None:
+        self.recomputes = 0  # every recompute: planned, on demand, at the end
+        self.planned_recomputes = 0
+        self.evictions = 0  # storages evicted to hold the plan's peak
+        self._stale_recipes: set[int] = set()  # releases refused, logged once each
+
+    def _replay(self, index: int, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Op ``index`` of the trace, matched by name: its actions around it."""
+        self.op = index
+        self._replay_pre(index)
+        out = func(*args, **kwargs)
+        self._replay_post(index, out, func, args, kwargs)
+        return out
+
+    def _replay_pre(self, index: int) -> None:
+        tables, residency = self.tables, self.residency
+        for action in tables.pre[index]:
+            self._apply(action)
+        if residency.released or residency.pending_in:
+            by_sid = residency.by_sid
+            for sid in tables.touched[index]:
+                entry = by_sid.get(sid)
+                if entry is not None and (not entry.resident or entry.h2d is not None):
+                    residency.ready(entry)
+        for sid in tables.written[index]:
+            entry = residency.by_sid.get(sid)
+            if entry is not None and (entry.host is not None or entry.recipe is not None):
+                residency.written(entry)
+        made = tables.made[index]
+        if residency.resident_bytes + made > tables.limit:
+            self._hold_peak(index, made)
+
+    def _replay_post(
+        self,
+        index: int,
+        out: Any,
+        func: Any = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> None:
+        tables, residency = self.tables, self.residency
+        binds = tables.binds[index]
+        if binds and not self._bind(index, binds, out):
+            return
+        recipes = tables.recipes[index]
+        if recipes and func is not None:
+            keep_recipes(recipes, residency.by_sid, tables.names[index], func, args, kwargs or {})
+        for action in tables.post[index]:
+            self._apply(action)
+        drops = tables.drops[index]
+        if drops:
+            drop_recipes(drops, residency.by_sid)
+        if residency.resident_bytes > tables.limit:
+            self._hold_peak(index, 0)
+
+    def _bind(self, index: int, binds: tuple[tuple[int, int, int, bool], ...], out: Any) -> bool:
+        """Register the storages op ``index`` made, at their recorded output positions."""
+        residency = self.residency
+        leaves = (out,) if type(out) is torch.Tensor else tree_leaves(out)
+        for position, sid, nbytes, register in binds:
+            value = leaves[position] if position < len(leaves) else None
+            if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+                storage = None
+            else:
+                storage = value.untyped_storage()
+            if storage is None or storage.nbytes() != nbytes:
+                # Its outputs stay untracked (never offloaded): safe, just not in budget.
+                self._diverge(f"op {index} ({self.tables.names[index]}) made other outputs")
+                return False
+            if not register:
+                continue
+            known = residency.by_sid.get(sid)
+            if known is None or not known.alive:
+                residency.track_sid(storage, sid, index)
+        return True
+
+    def _apply(self, action: Action) -> None:
+        residency = self.residency
+        entry: Tracked | None = residency.by_sid.get(action.storage_id)
+        if entry is None or not entry.alive:
+            return
+        kind = action.kind
+        if kind is _D2H:
+            residency.copy_out(entry)
+        elif kind is _RELEASE:
+            if not entry.host_valid and entry.recipe is not None and not entry.recipe.intact():
+                self._refused(entry)
+            residency.release(entry)
+        elif kind is _H2D:
+            residency.copy_in(entry)
+        elif kind is _RELEASE_HOST:
+            residency.release_host(entry)
+        elif kind is _RECOMPUTE and not entry.resident and entry.recipe is not None:
+            self.planned_recomputes += 1
+            residency.recompute(entry)
+
+    def _refused(self, entry: Tracked) -> None:
+        if entry.sid not in self._stale_recipes:
+            self._stale_recipes.add(entry.sid)
+            logger.warning(
+                "activation %d stays on the device: an input of %s, which made it, was "
+                "modified in place since, so it could not be recomputed (over the plan's "
+                "budget by %d bytes, still correct)",
+                entry.sid,
+                entry.recipe.name,
+                entry.nbytes,
+            )
+
+    def _regenerate(self, entry: Tracked) -> None:
+        """Re-run the op that made ``entry`` into its storage (the residency's hook)."""
+        recipe: Recipe = entry.recipe
+        storage = entry.storage()
+        if storage is None:
+            return
+        residency = self.residency
+        self.quiet += 1  # the op re-run and the copies below are ours, not the step's
+        try:
+            for source in recipe.inputs:
+                if source.alive:
+                    residency.ready(source)  # pages in, or recomputes, what is away
+            recipe.run_into(storage, entry.nbytes)
+        finally:
+            self.quiet -= 1
+        self.recomputes += 1
+
+    def _hold_peak(self, index: int, room: int) -> None:
+        """Evict the oldest resident storages op ``index`` does not touch until the live
+        bytes and ``room`` more fit under the plan's simulated peak."""
+        residency, tables = self.residency, self.tables
+        touched = set(tables.touched[index])
+        limit = tables.limit - room
+        for entry in list(residency.by_sid.values()):
+            if residency.resident_bytes <= limit:
+                return
+            if (
+                entry.alive
+                and entry.resident
+                and entry.sid not in touched
+                and entry.sid not in residency.pending_in
+                and residency.copy_out(entry)
+            ):
+                residency.release(entry)
+                self.evictions += 1

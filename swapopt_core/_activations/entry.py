@@ -20,7 +20,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from swapopt_core._activations.gradients import GradientWatch
 from swapopt_core._activations.guards import CompileWatch, compiled_refusal
+from swapopt_core._activations.recording import call_devices, fresh_outputs
 from swapopt_core._activations.replay import tables_for
 from swapopt_core._activations.replay_path import ReplayPath
 from swapopt_core._activations.residency import Residency
@@ -53,6 +55,7 @@ class _Open:
     inputs: set[torch.UntypedStorage] = field(default_factory=set)
     accesses: dict[int, AccessKind] = field(default_factory=dict)
     outputs: dict[int, int] = field(default_factory=dict)  # sid -> output position
+    devices: frozenset[str] | None = None  # recording: set when it may be recomputed
 
 
 def _storage(value: object) -> torch.UntypedStorage | None:
@@ -138,7 +141,7 @@ class Entry(ReplayPath):
         self.opaque = 0
         # Storages made after a fall-back get ids the trace does not use.
         self.next_sid = 1 + max(trace.storage_sizes, default=0) if trace is not None else 1
-        self.ops: list[tuple[str, Any, Any, tuple[Access, ...]]] = []
+        self.ops: list[tuple[str, Any, Any, tuple[Access, ...], bool]] = []
         self._virtual: list[_Open] = []
         self.mode = _Mode(self)
         self.closed = False  # set when the entry ends; a late backward region is ignored
@@ -146,6 +149,7 @@ class Entry(ReplayPath):
         self._check: Any = None  # the runtime's per-op ordering check, if it has one
         self.compiled = CompileWatch()
         self.pinned: set[int] = set()  # storages the warmup saw shared outside torch
+        self.gradients = GradientWatch(self)  # parameter gradients: not activations
 
     def _start(self, inputs: object) -> None:
         """The first op: take the runtime that serves the device its tensors are on."""
@@ -177,6 +181,8 @@ class Entry(ReplayPath):
                 return self._replay(index, func, args, kwargs)
             self._diverge(f"op {index} is {name}")
         opened = self._begin(name, (args, kwargs), _written(func, args, kwargs))
+        if self.recording:
+            opened.devices = call_devices(func, args, kwargs)
         return self._end(opened, func(*args, **kwargs))
 
     def _matches(self, name: str) -> bool:
@@ -196,9 +202,13 @@ class Entry(ReplayPath):
                 if storage is None:
                     continue
                 opened.inputs.add(storage)
+                if value.requires_grad and value.is_leaf:
+                    self.gradients.watch(value)
                 entry = residency.by_storage.get(storage)
                 if entry is None:
                     continue
+                if not entry.resident:
+                    self.gradients.paged_in(entry)
                 residency.ready(entry)
                 if not storage.resizable():  # .numpy() shares it: the plan must keep it
                     self.pinned.add(entry.sid)
@@ -207,6 +217,9 @@ class Entry(ReplayPath):
                     residency.written(entry)
                 else:
                     opened.accesses.setdefault(entry.sid, AccessKind.READ)
+            self.gradients.sample(residency.resident_bytes)
+            # What it paged in may exceed the budget: make room before its outputs come.
+            self._evict(protected=set(opened.accesses))
         opened.start = self.runtime.stamp() if self.recording else None
         return opened
 
@@ -232,7 +245,11 @@ class Entry(ReplayPath):
             accesses = tuple(
                 Access(sid, kind, opened.outputs.get(sid)) for sid, kind in opened.accesses.items()
             )
-            self.ops.append((opened.name, opened.start, end, accesses))
+            recompute = opened.devices is not None and fresh_outputs(
+                out, opened.devices, opened.inputs, residency.by_storage, opened.outputs
+            )
+            self.ops.append((opened.name, opened.start, end, accesses, recompute))
+        self.gradients.sample(residency.resident_bytes, opened.index)
         self._evict(protected=set(opened.accesses))
         return out
 
@@ -255,25 +272,31 @@ class Entry(ReplayPath):
     # ---- warmup: online eviction ---------------------------------------------------------
 
     def _evict(self, protected: set[int]) -> None:
+        """Bring the resident bytes under the budget: storages of at least
+        ``min_offload_bytes`` first (oldest, then largest), then, when that is not enough,
+        the smaller ones too (oldest first)."""
         residency = self.residency
         if residency.resident_bytes <= self.budget:
             return
-        candidates = sorted(
-            (
-                e
-                for e in residency.by_sid.values()
-                if e.alive
-                and e.resident
-                and e.sid not in protected
-                and e.nbytes >= self.min_offload
-            ),
+        movable = [
+            e
+            for e in residency.by_sid.values()
+            if e.alive and e.resident and e.sid not in protected
+        ]
+        large = sorted(
+            (e for e in movable if e.nbytes >= self.min_offload),
             key=lambda e: (e.produced_at, -e.nbytes),
         )
-        for entry in candidates:
+        small = sorted(
+            (e for e in movable if e.nbytes < self.min_offload), key=lambda e: e.produced_at
+        )
+        for entry in (*large, *small):
             if residency.resident_bytes <= self.budget:
                 break
             if residency.copy_out(entry):
                 residency.release(entry)
+                if not entry.resident:
+                    self.gradients.released(entry)
 
     # ---- replay --------------------------------------------------------------------------
 
@@ -325,8 +348,8 @@ class Entry(ReplayPath):
         """The recorded ops with their durations (needs every stamp to be complete)."""
         runtime = self.runtime
         return [
-            TraceOp(name, runtime.elapsed_ms(start, end), accesses)
-            for name, start, end, accesses in self.ops
+            TraceOp(name, runtime.elapsed_ms(start, end), accesses, recompute)
+            for name, start, end, accesses, recompute in self.ops
         ]
 
     def storage_sizes(self) -> dict[int, int]:
@@ -351,5 +374,7 @@ class Entry(ReplayPath):
         """The entry ended: restore what is still alive; late region calls are ignored."""
         self.closed = True
         self.compiled.stop()
+        self.gradients.close()
         if self.residency is not None:
             self.residency.close()
+            self.gradients.sample(self.residency.resident_bytes)  # all back on the device

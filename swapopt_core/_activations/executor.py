@@ -90,6 +90,7 @@ class Executor:
         self.counts = dict.fromkeys(
             ("warmups", "replays", "retraces", "d2h", "h2d", "peak", "last_peak", "refusals"), 0
         )
+        self.counts["gradients"] = 0  # parameter gradient bytes the last warmup found
         self.counts["recomputes"] = self.counts["demand_recomputes"] = 0
 
     # ---- the plan ------------------------------------------------------------------------
@@ -178,6 +179,9 @@ class Executor:
         """Add what the entry moved and held to the session's counts."""
         residency, counts = entry.residency, self.counts
         counts["last_peak"] = residency.peak_bytes if residency is not None else 0
+        peak = None if entry.replaying else entry.gradients.peak()
+        if peak is not None:  # a warmup or a fall-back: its parameter gradients taken out
+            counts["last_peak"] = peak
         counts["peak"] = max(counts["peak"], counts["last_peak"])
         if residency is not None:
             counts["d2h"] += residency.d2h_bytes
@@ -185,6 +189,8 @@ class Executor:
             counts["refusals"] += residency.host_cap_refusals
         counts["recomputes"] += entry.recomputes
         counts["demand_recomputes"] += entry.recomputes - entry.planned_recomputes
+        if entry.recording:  # it traced the step: the gradients it found are the plan's
+            counts["gradients"] = entry.gradients.nbytes
 
     def trace_after_miss(self, ops_done: int) -> bool:
         """Whether a replay that left its plan after ``ops_done`` ops traces from scratch.

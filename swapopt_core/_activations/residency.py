@@ -253,6 +253,19 @@ class Residency:
             entry.h2d = None
         self.pending_in.discard(entry.sid)
 
+    def untrack(self, entry: Tracked) -> None:
+        """Stop tracking ``entry`` (a parameter gradient): back on the device, its host copy
+        dropped, out of the resident bytes; nothing moves it again."""
+        self.ready(entry)
+        self._drop_host(entry)
+        if entry.resident:
+            self.resident_bytes -= entry.nbytes
+            entry.resident = False  # so its death later subtracts nothing
+        self.by_sid.pop(entry.sid, None)
+        storage = entry.storage()
+        if storage is not None:
+            self.by_storage.pop(storage, None)
+
     def written(self, entry: Tracked) -> None:
         """``entry`` is about to be modified on the device: its host copy is stale, and its
         recipe no longer makes these bytes."""

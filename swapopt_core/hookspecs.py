@@ -98,7 +98,8 @@ class SwapOptSpecs:
         interface: ``serves(device)``, ``begin_entry()``, ``alloc_host(nbytes)``,
         ``copy_out(storage, host)`` and ``copy_in(storage, host)`` (each returns a ticket,
         ``None`` when done), ``wait(ticket)`` (the step's next ops come after the copy),
-        ``host_wait(ticket)`` (the host blocks until it is done), ``synchronize()``,
+        ``host_wait(ticket)`` (the host blocks until it is done), ``done(ticket)`` (whether
+        it finished, without blocking), ``synchronize()``,
         ``stamp()``, ``elapsed_ms(start, end)`` and ``measure_bandwidth()``. The base class
         is the synchronous loopback runtime; its docstrings hold each method's contract.
 

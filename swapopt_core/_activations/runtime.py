@@ -6,6 +6,10 @@ simulator and the planner assume. Device storage is allocated and freed on the c
 stream; a release waits for the copies still using the storage. The compute stream is the
 one current when an entry's first op ran: ops on another stream, or inside a CUDA graph
 capture, are refused, since the copies would not be ordered with them.
+
+Runtimes are plugins (``swapopt_register_activation_runtimes``; the built-ins are registered
+by ``_activations/plugin.py``): ``resolve_runtime`` turns ``OffloadConfig.runtime`` into a
+``RuntimeChoice`` when a session is created, and that makes the runtime at the first entry.
 """
 
 from __future__ import annotations

@@ -62,6 +62,10 @@ class ReplayTables:
             its size is checked, so a step of other shapes still leaves the plan.
         touched: The registered storages each op reads or writes (made ready before it).
         made: The bytes of the registered storages each op makes.
+        busy: Whether an op has anything to do besides a size check: actions, storages to
+            register or mark written, recipes to keep or drop.
+        probes: For an op that is not busy but makes storages, ``(output position, nbytes)``
+            of the first one (its size is checked), else ``None``.
         written: The registered storages each op writes in place.
         recipes: The recipes to keep when each op runs.
         drops: The recipes no longer needed after each op (after its post actions).
@@ -116,6 +120,21 @@ class ReplayTables:
             drops[_drop_op(spec.sid, last_action, last_access)].append(spec.sid)
         self.recipes = [tuple(r) for r in recipes]
         self.drops = [tuple(d) for d in drops]
+        self.busy = [
+            bool(
+                self.pre[i]
+                or self.post[i]
+                or self.written[i]
+                or self.recipes[i]
+                or self.drops[i]
+                or any(b[3] for b in self.binds[i])
+            )
+            for i in range(count)
+        ]
+        self.probes = [
+            None if self.busy[i] or not self.binds[i] else self.binds[i][0][:2]
+            for i in range(count)
+        ]
         peak = _simulated_peak(trace, schedule)
         self.planned_peak = int(peak) if math.isfinite(peak) else 0
         self.limit = peak if self.track_all else math.inf

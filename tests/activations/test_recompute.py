@@ -176,3 +176,28 @@ def test_a_recipe_refuses_inputs_changed_in_place() -> None:
     assert not recipe.intact()
     with pytest.raises(RuntimeError, match="modified in place"):
         recipe.run_into(target, out.untyped_storage().nbytes())
+
+
+def test_a_replay_holds_its_plans_peak(runtime_name: str) -> None:
+    """Tensors the caller keeps past their last access (the input batch, the loss) are live
+    longer than the plan assumes: the replay evicts rather than overshoot."""
+    probe, model = OffloadSession(OffloadConfig(runtime=runtime_name)), Gated()
+    with probe:
+        _step(model, seed=0)
+    model.zero_grad()
+    budget_mb = 0.6 * simulate(probe.trace).natural_peak_bytes / 2**20
+    session = OffloadSession(
+        OffloadConfig(max_resident_activation_mb=budget_mb, runtime=runtime_name, min_offload_kib=0)
+    )
+    reference = Gated()
+    for step in range(3):
+        ref_loss = _step(reference, seed=step)
+        with session:
+            loss = _step(model, seed=step)
+        reference.zero_grad()
+        model.zero_grad()
+        assert torch.equal(loss, ref_loss)
+        if step > 0:
+            planned = simulate(session.trace, session.schedule).peak_bytes
+            assert session.stats().last_peak_resident_activation_bytes <= 1.05 * planned
+    assert session.stats().replays == 2

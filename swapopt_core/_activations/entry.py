@@ -306,6 +306,8 @@ class Entry(ReplayPath):
         residency = self.residency
         residency.restore_all()  # recomputes what has no host copy
         residency.index_storages()  # the warmup that follows finds storages by object
+        for tracked in residency.by_sid.values():
+            tracked.recipe = None  # no recompute after this: let their inputs go
         self.diverged = True
         self.replaying = False
         self.recording = self.executor.trace_after_miss(self.op + 1)

@@ -63,7 +63,7 @@ class GradientWatch:
     def released(self, tracked: Tracked) -> None:
         """The warmup evicted ``tracked``: the samples from now on do not count it."""
         start = self._since.pop(tracked.sid, None)
-        if start is None:  # resident since it was made
+        if start is None and tracked.sid not in self._held:  # resident since it was made
             start = self._end_sample.get(tracked.produced_at)
         if start is not None:
             self._held.setdefault(tracked.sid, []).append((start, len(self._samples)))
@@ -108,7 +108,7 @@ class GradientWatch:
         tracked = residency.by_storage.get(grad.untyped_storage())
         if tracked is None or tracked.sid in self.sids:
             return
-        if tracked.resident and (tracked.sid in self._since or tracked.sid not in self._held):
+        if tracked.resident:
             self.released(tracked)  # counted up to now (unless paged in some other way)
         for start, stop in self._held.pop(tracked.sid, ()):
             self._discounts.append((start, stop, tracked.nbytes))

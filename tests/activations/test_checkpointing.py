@@ -41,7 +41,7 @@ class CheckpointedNet(torch.nn.Module):
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-@pytest.mark.parametrize("planner", ["every-gap", "auto"])
+@pytest.mark.parametrize("planner", ["every-gap", "recompute-every-gap", "auto"])
 def test_checkpointed_blocks_match_bit_for_bit(
     manager, runtime_name: str, planner: str, reentrant: bool
 ) -> None:
@@ -67,3 +67,5 @@ def test_checkpointed_blocks_match_bit_for_bit(
     stats = session.stats()
     assert (stats.warmups, stats.replays, stats.retraces) == (1, 2, 0)
     assert stats.d2h_bytes > 0 and stats.h2d_bytes > 0
+    if planner == "recompute-every-gap":  # checkpointed blocks rerun, and recompute too
+        assert stats.recomputes > 0

@@ -241,7 +241,7 @@ class RegionNet(Wide):
         return x.sum()
 
 
-@pytest.mark.parametrize("planner", ["auto", "every-gap"])
+@pytest.mark.parametrize("planner", ["auto", "every-gap", "recompute-every-gap"])
 def test_skip_offload_regions_replay_under_a_binding_budget(
     manager, runtime_name: str, planner: str
 ) -> None:

@@ -62,7 +62,7 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("planner", ["every-gap", "auto"])
+@pytest.mark.parametrize("planner", ["every-gap", "recompute-every-gap", "auto"])
 @pytest.mark.parametrize("budget_mb", [0.25, 1.0, 64.0])
 @pytest.mark.parametrize(
     ("rows", "counts"),
@@ -112,6 +112,8 @@ def test_grads_match_over_warmup_and_replays(
     stats = session.stats()
     assert (stats.warmups, stats.retraces, stats.replays) == counts
     assert session.trace is not None and session.schedule is not None
+    if planner == "recompute-every-gap":  # the replays regenerated storages, same bits
+        assert stats.recomputes > 0
 
 
 def test_every_action_runs_and_moves_bytes(manager, runtime_name: str) -> None:

@@ -91,12 +91,12 @@ def _run(model: FaultyNet, step: int) -> torch.Tensor:
     return logits
 
 
-def _session(manager, faults: Faults, site: str) -> OffloadSession:
+def _session(manager, faults: Faults, site: str, planner: str = "every-gap") -> OffloadSession:
     config = OffloadConfig(
         max_resident_activation_mb=0.1,
         max_offload_activation_mb=0.05 if site == "host_cap" else 64,
         runtime="loopback",
-        planner="every-gap",
+        planner=planner,
         min_offload_kib=0,
     )
     session = OffloadSession(config, plugin_manager=manager)
@@ -129,11 +129,18 @@ def _clean_step(reference, model, optimizers, session, step: int) -> None:
         optimizer.step()
 
 
-def _case(manager, site: str, error: type[BaseException], phase: str, k: int) -> None:
+def _case(
+    manager,
+    site: str,
+    error: type[BaseException],
+    phase: str,
+    k: int,
+    planner: str = "every-gap",
+) -> OffloadSession:
     faults = Faults()
     reference, model = FaultyNet(Faults()), FaultyNet(faults)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (reference, model)]
-    session = _session(manager, faults, site)
+    session = _session(manager, faults, site, planner)
     first = 0
     if phase == "replay":
         _clean_step(reference, model, optimizers, session, 0)
@@ -173,6 +180,7 @@ def _case(manager, site: str, error: type[BaseException], phase: str, k: int) ->
         assert torch.equal(a, b)
     if site not in ("forward", "restore") or phase == "replay":
         assert session.stats().replays >= 1  # the plan still replays after the fault
+    return session
 
 
 MATRIX = list(itertools.product(SITES, ERRORS, PHASES, HITS))
@@ -185,6 +193,14 @@ MATRIX = list(itertools.product(SITES, ERRORS, PHASES, HITS))
 )
 def test_a_fault_loses_nothing(manager, site, error, phase, k) -> None:
     _case(manager, site, error, phase, k)
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=[e.__name__ for e in ERRORS])
+@pytest.mark.parametrize("site", [s for s in SITES if s != "host_cap"])
+def test_a_fault_in_a_replay_that_recomputes_loses_nothing(manager, site, error) -> None:
+    """Storages released without a host copy are made again when a fault ends the step."""
+    session = _case(manager, site, error, "replay", 1, planner="recompute-every-gap")
+    assert session.stats().recomputes > 0
 
 
 def test_host_memory_exhaustion_keeps_activations_on_the_device(manager) -> None:

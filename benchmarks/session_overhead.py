@@ -71,7 +71,9 @@ def replay_cost(rounds: int = 15, threads: int = 1) -> dict[str, float]:
     Four variants alternate round by round so they see the same machine load: the plain
     step, a bare ``TorchDispatchMode``, a session replaying an empty plan, and a session
     replaying the default planner's plan at half the natural peak (loopback: each copy is
-    real, a few kilobytes). Each figure is the median over ``rounds``.
+    real, a few kilobytes). Each figure is the median over ``rounds`` of the main thread's
+    CPU time (``time.thread_time``; torch runs on that one thread), which other processes on
+    a shared machine disturb far less than the wall clock.
     """
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -83,7 +85,7 @@ def replay_cost(rounds: int = 15, threads: int = 1) -> dict[str, float]:
         logits = model(tokens)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
         loss.backward()
-        model.zero_grad(set_to_none=False)
+        model.zero_grad()  # gradients made afresh each step, as in the warmup
 
     empty = OffloadSession(OffloadConfig(max_resident_activation_mb=1 << 20, runtime="loopback"))
     with empty:
@@ -104,11 +106,11 @@ def replay_cost(rounds: int = 15, threads: int = 1) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, context in variants.items():
-            start = time.perf_counter()
+            start = time.thread_time()
             for _ in range(5):
                 with context():
                     step()
-            times[name].append((time.perf_counter() - start) / 5 / ops * 1e6)
+            times[name].append((time.thread_time() - start) / 5 / ops * 1e6)
     result = {name: statistics.median(values) for name, values in times.items()}
     result["ops"] = ops
     result["planned_actions"] = planned.stats().planned_actions

@@ -393,9 +393,9 @@ class CudaActivationRuntime(ActivationRuntime):
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         # No record_stream: the event keeps the block safe. A release (resize to 0) makes
-        # compute wait on it first, so the block returns to the pool after the copy; a
-        # storage that dies first is host-waited on in Residency._died before anything else
-        # is queued. record_stream would only hold freed blocks back from reuse.
+        # compute wait on it first, so the block returns to the pool after the copy; for a
+        # storage that dies first, Residency._died makes compute wait on it before anything
+        # else is queued. record_stream would only hold freed blocks back from reuse.
         # Compute (a reader, or a release) waits on this before touching the storage.
         return stream.record_event()
 

@@ -62,6 +62,9 @@ class ReplayTables:
             its size is checked, so a step of other shapes still leaves the plan.
         touched: The registered storages each op reads or writes (made ready before it).
         made: The bytes of the registered storages each op makes.
+        pre_net, post_net: The bytes the ``pre`` (``post``) actions of each op bring onto the
+            device (reloads, recomputes) less those they release: the room the replay makes
+            before it issues them.
         busy: Whether an op has anything to do besides a size check: actions, storages to
             register or mark written, recipes to keep or drop.
         probes: For an op that is not busy but makes storages, ``(output position, nbytes)``
@@ -74,6 +77,8 @@ class ReplayTables:
         planned_peak: The plan's simulated peak (0 when the simulator refuses it): what a
             replay that registers nothing (``track_all`` false) reports as its peak.
         track_all: Whether every activation storage is registered.
+        uses: The ops that access each registered storage, in order (what the replay reads
+            to evict the storage needed last).
     """
 
     def __init__(self, trace: ActivationTrace, schedule: ResidencySchedule) -> None:
@@ -96,6 +101,7 @@ class ReplayTables:
         touched: list[list[int]] = [[] for _ in range(count)]
         written: list[list[int]] = [[] for _ in range(count)]
         last_access: dict[int, int] = {}
+        self.uses: dict[int, list[int]] = {}
         for index, op in enumerate(ops):
             for access in op.accesses:
                 sid = access.storage_id
@@ -107,10 +113,13 @@ class ReplayTables:
                     binds[index].append((access.output, sid, sizes[sid], registered))
                 if registered:
                     touched[index].append(sid)
+                    self.uses.setdefault(sid, []).append(index)
                     if access.kind is AccessKind.WRITE and access.output is None:
                         written[index].append(sid)
         self.binds = [tuple(b) for b in binds]
         self.made = [sum(b[2] for b in op_binds if b[3]) for op_binds in binds]
+        self.pre_net = [_net(actions, sizes) for actions in self.pre]
+        self.post_net = [_net(actions, sizes) for actions in self.post]
         self.touched = [tuple(t) for t in touched]
         self.written = [tuple(w) for w in written]
         recipes: list[list[_RecipeSpec]] = [[] for _ in range(count)]
@@ -138,6 +147,17 @@ class ReplayTables:
         peak = _simulated_peak(trace, schedule)
         self.planned_peak = int(peak) if math.isfinite(peak) else 0
         self.limit = peak if self.track_all else math.inf
+
+
+def _net(actions: tuple, sizes: dict[int, int]) -> int:
+    """Bytes ``actions`` allocate on the device, less the bytes they release."""
+    net = 0
+    for action in actions:
+        if action.kind in (ActionKind.COPY_H2D, ActionKind.RECOMPUTE):
+            net += sizes.get(action.storage_id, 0)
+        elif action.kind is ActionKind.RELEASE_DEVICE:
+            net -= sizes.get(action.storage_id, 0)
+    return net
 
 
 def _recipe_specs(

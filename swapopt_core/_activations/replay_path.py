@@ -5,13 +5,16 @@ runs the ``pre`` actions due, readies the storages the op touches when something
 in flight, marks in-place writes, runs the op, registers the storages some action needs (by
 id, at their recorded output positions), keeps the recipes of storages to recompute, runs
 the ``post`` actions, and holds the plan's peak: when the live activation bytes exceed the
-plan's simulated peak, or would once the op made its outputs, it evicts the oldest storages
-the op does not touch (copy out, then release) rather than overshoot.
+plan's simulated peak, or would once the op's actions and outputs allocate, it evicts the
+storages needed last (by the trace; those it no longer reads first) that the op does not touch
+(copy out, then release) rather than overshoot.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,13 +74,27 @@ class ReplayPath:
 
     def _replay_pre(self, index: int) -> None:
         tables, residency = self.tables, self.residency
-        for action in tables.pre[index]:
-            self._apply(action)
+        actions = tables.pre[index]
+        if actions:
+            room = tables.pre_net[index] + tables.made[index]
+            if residency.resident_bytes + room > tables.limit:
+                self._hold_peak(index, room)  # before reloads and recomputes allocate
+            for action in actions:
+                self._apply(action)
         if residency.released or residency.pending_in:
             by_sid = residency.by_sid
-            for sid in tables.touched[index]:
-                entry = by_sid.get(sid)
-                if entry is not None and (not entry.resident or entry.h2d is not None):
+            away = [
+                entry
+                for sid in tables.touched[index]
+                if (entry := by_sid.get(sid)) is not None
+                and (not entry.resident or entry.h2d is not None)
+            ]
+            if away:
+                # Paged in (or recomputed) on demand: make room first.
+                room = sum(e.nbytes for e in away if not e.resident) + tables.made[index]
+                if residency.resident_bytes + room > tables.limit:
+                    self._hold_peak(index, room)
+                for entry in away:
                     residency.ready(entry)
         for sid in tables.written[index]:
             entry = residency.by_sid.get(sid)
@@ -102,8 +119,13 @@ class ReplayPath:
         recipes = tables.recipes[index]
         if recipes and func is not None:
             keep_recipes(recipes, residency.by_sid, tables.names[index], func, args, kwargs or {})
-        for action in tables.post[index]:
-            self._apply(action)
+        actions = tables.post[index]
+        if actions:
+            room = tables.post_net[index]
+            if residency.resident_bytes + room > tables.limit:
+                self._hold_peak(index, room)
+            for action in actions:
+                self._apply(action)
         drops = tables.drops[index]
         if drops:
             drop_recipes(drops, residency.by_sid)
@@ -181,20 +203,29 @@ class ReplayPath:
         self.recomputes += 1
 
     def _hold_peak(self, index: int, room: int) -> None:
-        """Evict the oldest resident storages op ``index`` does not touch until the live
-        bytes and ``room`` more fit under the plan's simulated peak."""
+        """Evict resident storages op ``index`` does not touch, those needed last first,
+        until the live bytes and ``room`` more fit under the plan's simulated peak."""
         residency, tables = self.residency, self.tables
         touched = set(tables.touched[index])
         limit = tables.limit - room
-        for entry in list(residency.by_sid.values()):
+        if residency.resident_bytes <= limit:
+            return
+        uses = tables.uses
+
+        def next_use(sid: int) -> float:
+            ops = uses.get(sid, ())
+            at = bisect.bisect_right(ops, index)
+            return ops[at] if at < len(ops) else math.inf
+
+        candidates = [
+            e
+            for e in residency.by_sid.values()
+            if e.alive and e.resident and e.sid not in touched and e.sid not in residency.pending_in
+        ]
+        candidates.sort(key=lambda e: next_use(e.sid), reverse=True)
+        for entry in candidates:
             if residency.resident_bytes <= limit:
                 return
-            if (
-                entry.alive
-                and entry.resident
-                and entry.sid not in touched
-                and entry.sid not in residency.pending_in
-                and residency.copy_out(entry)
-            ):
+            if residency.copy_out(entry):
                 residency.release(entry)
                 self.evictions += 1

@@ -223,3 +223,29 @@ def test_a_replay_that_leaves_its_plan_recomputes_what_it_released(runtime_name:
         assert torch.equal(a.grad, b.grad)
     stats = session.stats()
     assert stats.retraces == 1 and stats.recomputes > 0  # the norm's outputs came back
+
+
+def test_the_planners_recomputes_replay_bit_exactly_within_the_plans_peak(
+    runtime_name: str,
+) -> None:
+    """The timed planner on the recorded trace over a slow link (so it prefers recomputing):
+    its plan replays the same bits, recomputes what it planned, and stays within its peak."""
+    from swapopt_core._planning.timed import TimedPlanner
+
+    recorded = _recorded(runtime_name)
+    slow = dataclasses.replace(
+        recorded,
+        d2h_bandwidth_gbps=0.001,
+        h2d_bandwidth_gbps=0.001,
+        memory_limit_bytes=int(0.5 * simulate(recorded).natural_peak_bytes),
+        min_offload_bytes=0,
+    )
+    schedule = TimedPlanner().plan(slow)
+    planned = simulate(slow, schedule)
+    assert planned.recomputes > 0
+    session = OffloadSession(OffloadConfig(runtime=runtime_name, min_offload_kib=0))
+    session.load_plan(slow, schedule)
+    _compare(session, steps=2)
+    stats = session.stats()
+    assert stats.recomputes == 2 * planned.recomputes and stats.demand_recomputes == 0
+    assert stats.last_peak_resident_activation_bytes <= 1.05 * planned.peak_bytes

@@ -86,7 +86,7 @@ class HostPool:
         self._free.clear()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Tracked:
     """One activation storage the session created."""
 

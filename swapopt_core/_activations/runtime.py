@@ -409,8 +409,11 @@ class CudaActivationRuntime(ActivationRuntime):
 
     def wait(self, ticket: torch.cuda.Event | None) -> None:
         if ticket is not None:
-            # Compute touches the storage only after its copy landed; no host block.
-            torch.cuda.current_stream(self.device).wait_event(ticket)
+            # Compute touches the storage (or its freed block) only after the copy landed;
+            # no host block. The entry's compute stream, not whichever is current: a storage
+            # may die while a side stream is current, and its block belongs to compute.
+            stream = self.compute or torch.cuda.current_stream(self.device)
+            stream.wait_event(ticket)
 
     def host_wait(self, ticket: torch.cuda.Event | None) -> None:
         if ticket is not None:

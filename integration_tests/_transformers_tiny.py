@@ -1,0 +1,100 @@
+"""A tiny GPT-2 trained by a real ``transformers.Trainer`` on CPU, shared by the tests and
+run as a script by ``swapopt run`` (``python _transformers_tiny.py OUT_DIR``).
+
+No downloads: the model is built from a config and the data are random tokens. Run as a
+script it trains once (no callback) and saves the final parameters and optimizer state
+with ``swap_stats`` of the optimizer, when swapped, to ``OUT_DIR/result.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+SEQ = 16
+VOCAB = 64
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Random token sequences; the labels are the inputs (causal LM)."""
+
+    def __init__(self, n: int = 24) -> None:
+        gen = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def model() -> GPT2LMHeadModel:
+    """The tiny GPT-2, seeded."""
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32)
+    return GPT2LMHeadModel(config)
+
+
+def arguments(out: Path, **overrides: Any) -> TrainingArguments:
+    """CPU, no reporting, fixed seed; 6 optimizer steps with accumulation 2 by default."""
+    fields: dict[str, Any] = dict(
+        output_dir=str(out),
+        use_cpu=True,
+        report_to=[],
+        seed=0,
+        dataloader_num_workers=0,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=6,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        max_grad_norm=1.0,
+        logging_steps=3,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    fields.update(overrides)
+    return TrainingArguments(**fields)
+
+
+def trainer(out: Path, callbacks: list | None = None, **overrides: Any) -> Trainer:
+    """A fresh Trainer on the tiny model and the random tokens."""
+    return Trainer(
+        model=model(), args=arguments(out, **overrides), train_dataset=Tokens(), callbacks=callbacks
+    )
+
+
+def main(out: str) -> None:
+    from swapopt_core import is_swap_optimizer, swap_stats
+
+    run = trainer(Path(out))
+    # NOTE: the swapped optimizer is unswapped at the end of train(), so the stats are
+    # taken at the last step through a callback-free probe: the optimizer's step hook.
+    seen: dict[str, Any] = {}
+
+    def probe(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        seen["swapped"] = is_swap_optimizer(opt)
+        if seen["swapped"]:
+            seen["stats"] = swap_stats(opt)
+
+    run.create_optimizer()
+    run.optimizer.register_step_post_hook(probe)
+    run.train()
+    result = {
+        "params": {k: v.detach().clone() for k, v in run.model.named_parameters()},
+        "optimizer": run.optimizer.state_dict(),
+        "swapped": seen.get("swapped", False),
+        "stats": vars(seen["stats"]) if "stats" in seen else None,
+    }
+    torch.save(result, Path(out) / "result.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

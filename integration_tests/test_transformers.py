@@ -1,0 +1,191 @@
+"""A real ``transformers.Trainer`` on CPU: ``SwapOptimizerCallback`` equals the plain Trainer.
+
+A tiny GPT-2 from a config (no downloads), random tokens, gradient accumulation 2,
+``max_grad_norm=1.0`` and a linear schedule with warmup. The swap uses the loopback runtime,
+which moves optimizer state between two CPU buffers as the CUDA runtime moves it between
+device and host, so the whole swap runs. Parameters and optimizer state are compared with
+``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import _transformers_tiny as tiny  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from swapopt_core import OffloadConfig, SwapOptimizerConfig, is_swap_optimizer  # noqa: E402
+from swapopt_plugins._options import ENV_VARS  # noqa: E402
+from swapopt_plugins.transformers import SwapOptimizerCallback  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "transformers.md"
+LOOPBACK = SwapOptimizerConfig(runtime="loopback", min_numel=0, swap_times=3)
+ACTIVATIONS = OffloadConfig(max_resident_activation_mb=0.01, min_offload_kib=0, runtime="loopback")
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch: pytest.MonkeyPatch):
+    """No SWAPOPT_* from the caller's shell, and fresh Accelerate singletons around each test."""
+    for name in ENV_VARS.values():
+        monkeypatch.delenv(name, raising=False)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _result(trainer) -> dict:
+    return {
+        "params": {k: v.detach().clone() for k, v in trainer.model.named_parameters()},
+        "optimizer": trainer.optimizer.state_dict(),
+    }
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a["params"].keys() == b["params"].keys()
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), name
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    for index in sa:
+        assert sa[index].keys() == sb[index].keys()
+        for key in sa[index]:
+            assert torch.equal(sa[index][key], sb[index][key]), (index, key)
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The plain Trainer run every swapped run must equal."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    run = tiny.trainer(tmp_path_factory.mktemp("plain"))
+    run.train()
+    return _result(run)
+
+
+def test_callback_equals_plain_trainer_and_resumes(tmp_path: Path, plain: dict) -> None:
+    cb = SwapOptimizerCallback(LOOPBACK)
+    run = tiny.trainer(tmp_path, [cb], save_strategy="steps", save_steps=3)
+    logs = Logs()
+    run.add_callback(logs)
+    run.train()
+    _assert_same(plain, _result(run))
+    # The state lived in host memory and is back on the optimizer, unswapped, at the end.
+    inner = run.optimizer.optimizer
+    assert not is_swap_optimizer(inner)
+    (stats,) = cb.stats
+    assert stats.steps == 6 and stats.swapped_tensors == 2 * len(plain["params"])
+    assert stats.host_state_bytes == stats.total_state_bytes > 0
+    assert stats.resident_state_bytes == 0
+    assert any(log.get("swapopt_host_state_bytes") == stats.host_state_bytes for log in logs.seen)
+
+    # A fresh Trainer resumed from the mid-run checkpoint ends as the uninterrupted run.
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    cb2 = SwapOptimizerCallback(LOOPBACK)
+    resumed = tiny.trainer(tmp_path / "resumed", [cb2])
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    _assert_same(plain, _result(resumed))
+    (stats2,) = cb2.stats
+    assert stats2.steps == 3 and stats2.resident_state_bytes == 0
+
+
+class Logs(TrainerCallback):
+    """Keeps a copy of every log the Trainer's callbacks see."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def on_log(self, args, state, control, logs: dict | None = None, **kwargs) -> None:
+        self.seen.append(dict(logs or {}))
+
+
+def test_activation_offload_equals_plain_trainer(tmp_path: Path, plain: dict) -> None:
+    cb = SwapOptimizerCallback(LOOPBACK, activation_offload=ACTIVATIONS)
+    run = tiny.trainer(tmp_path, [cb])
+    run.train()
+    _assert_same(plain, _result(run))
+    # One session entry per optimizer step: both accumulation substeps inside it.
+    stats = cb.offload_session.stats()
+    assert (stats.warmups, stats.replays, stats.retraces) == (1, 5, 0)
+    assert stats.d2h_bytes > 0
+
+
+def test_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python block of docs/transformers.md, run as written (in a temporary folder)."""
+    (block,) = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block, str(DOC), "exec"), namespace)
+    assert namespace["trainer"].state.global_step > 0
+
+
+def test_bad_config_names_the_argument() -> None:
+    with pytest.raises(TypeError, match=r"SwapOptimizerCallback\(config=...\)"):
+        SwapOptimizerCallback(OffloadConfig())  # type: ignore[arg-type]
+
+
+def test_install_globally_swaps_a_trainer_without_the_callback(
+    tmp_path: Path, plain: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers.trainer as hf_trainer
+
+    from swapopt_plugins.transformers import install_globally
+
+    monkeypatch.setattr(hf_trainer, "DEFAULT_CALLBACKS", list(hf_trainer.DEFAULT_CALLBACKS))
+    assert not install_globally()  # nothing asked for
+    for name, value in [("OFFLOAD_OPTIMIZER_DEVICE", "cpu"), ("RUNTIME", "loopback")]:
+        monkeypatch.setenv(f"SWAPOPT_{name}", value)
+    monkeypatch.setenv("SWAPOPT_MIN_NUMEL", "0")
+    assert install_globally() and install_globally()  # idempotent
+    run = tiny.trainer(tmp_path)
+    (cb,) = [c for c in run.callback_handler.callbacks if isinstance(c, SwapOptimizerCallback)]
+    run.train()
+    _assert_same(plain, _result(run))
+    (stats,) = cb.stats
+    assert stats.steps == 6 and stats.host_state_bytes == stats.total_state_bytes > 0
+
+
+def _swapopt_run() -> Path:
+    swapopt = REPO / ".venv" / "bin" / "swapopt"
+    usage = subprocess.run([str(swapopt), "-h"], capture_output=True, text=True, check=False)
+    if not re.search(r"\brun\b", usage.stdout):
+        pytest.skip("this checkout's swapopt has no `run` command yet")
+    return swapopt
+
+
+def test_swapopt_run_swaps_an_unmodified_trainer_script(tmp_path: Path, plain: dict) -> None:
+    swapopt = _swapopt_run()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWAPOPT_")}
+    env.update(
+        SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE="cpu",
+        SWAPOPT_RUNTIME="loopback",
+        SWAPOPT_MIN_NUMEL="0",
+        PYTHONPATH=str(REPO),
+    )
+    script = Path(tiny.__file__)
+    subprocess.run(
+        [str(swapopt), "run", str(script), str(tmp_path)], env=env, check=True, timeout=300
+    )
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert result["swapped"], "swapopt run did not swap the Trainer's optimizer"
+    assert result["stats"]["host_state_bytes"] == result["stats"]["total_state_bytes"] > 0
+    _assert_same(plain, result)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -17,6 +17,7 @@ import pluggy
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._engine_base import EngineBase, engine_of
 from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._launch import note_swapped
 from swapopt_core._plugins import get_plugin_manager, optimizer_adapters, runtime_classes
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core._stats import SwapStats
@@ -198,6 +199,7 @@ def swap_optimizer(
     engine = engine_class(optimizer, config, adapter, runtime, manager)
     _check_serves(engine_class, runtime, optimizer)
     engine.install()
+    note_swapped()  # what `swapopt run` checks at exit
     logger.info(
         "swapopt installed on %s: runtime=%s packed=%s swap_times=%d; %d existing state "
         "tensors offloaded%s",

@@ -107,6 +107,25 @@ class SwapOptSpecs:
             Runtime classes, subclasses of ``swapopt_core.ActivationRuntime``.
         """
 
+    # ---- integrations ----------------------------------------------------------------------
+
+    @hookspec
+    def swapopt_install_integrations(self) -> str | None:
+        """Switch on, process-wide, the integration this plugin provides.
+
+        Called once by ``swapopt run`` before the user's script starts (the core never
+        imports a training framework itself). The plugin reads the ``SWAPOPT_*`` environment
+        variables (``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE``, ``SWAPOPT_ACTIVATION_BUDGET_MB``, ...)
+        and installs itself its own way, e.g. every Accelerate ``Accelerator`` swaps the
+        optimizers it prepares, or every Lightning ``Trainer`` gets the callback. Calling it
+        twice does no more than calling it once. A ``ValueError`` naming the variable stops
+        ``swapopt run`` before the script starts.
+
+        Returns:
+            A short name of what was switched on (e.g. ``"accelerate"``), or None when the
+            framework is not installed or the variables ask for nothing.
+        """
+
     # ---- lifecycle observers ---------------------------------------------------------------
 
     @hookspec

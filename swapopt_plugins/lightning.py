@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from swapopt_plugins._integrations import enable_lightning_auto
 from swapopt_plugins._lightning_hooks import SwapCallbackHooks, auto_callbacks
 
 try:
@@ -38,6 +39,7 @@ __all__ = [
     "LightningSwapOptimizerCallback",
     "SwapOptimizerCallback",
     "callbacks_factory",
+    "install_globally",
     "lightning_callbacks_factory",
 ]
 
@@ -97,3 +99,19 @@ def callbacks_factory() -> list[Any]:
 def lightning_callbacks_factory() -> list[Any]:
     """Entry point of ``lightning.pytorch.callbacks_factory`` (see ``callbacks_factory``)."""
     return auto_callbacks(LightningSwapOptimizerCallback) if _lp is not None else []
+
+
+def install_globally() -> bool:
+    """Add the callback to every ``Trainer`` from now on (what ``swapopt run`` calls).
+
+    Sets ``SWAPOPT_LIGHTNING_AUTO=1`` when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` or an
+    activation budget is set (a ``SWAPOPT_LIGHTNING_AUTO`` set by the user decides instead);
+    the callback reads its configuration from the same variables. Idempotent.
+
+    Returns:
+        Whether every Trainer now gets the callback.
+
+    Raises:
+        ValueError: A ``SWAPOPT_*`` variable is invalid; the message names it.
+    """
+    return enable_lightning_auto()

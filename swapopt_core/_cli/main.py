@@ -274,10 +274,63 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
+@_command("run", "run a training script with every installed integration switched on")
+def _run_command(parser: argparse.ArgumentParser) -> Handler:
+    """Declares ``swapopt run``; its words after ``run`` go to the script untouched."""
+    from swapopt_core._cli.run import USAGE, UsageError, parse_target, run
+
+    parser.usage = USAGE
+    parser.description = (
+        "Switch on, from the SWAPOPT_* environment variables, every swapopt integration whose "
+        "framework is installed (a plain Accelerator, transformers.Trainer and Lightning "
+        "Trainer swap their optimizers when SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu), then run "
+        "SCRIPT (or -m MODULE) as __main__ with ARGS, as python would. Under a launcher: "
+        "accelerate launch --no_python swapopt run train.py, or torchrun --no-python ... "
+        "swapopt run train.py."
+    )
+    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
+    parser.add_argument("script", nargs="?", metavar="SCRIPT", help="the script to run")
+    parser.add_argument("args", nargs="*", metavar="ARGS", help="its arguments, passed as they are")
+
+    def handle(args: argparse.Namespace) -> int:
+        try:
+            target = parse_target(args.run_words)
+        except UsageError as error:
+            return _user_error(parser, str(error))
+        return run(target)
+
+    return handle
+
+
+def _split_run(argv: Sequence[str]) -> tuple[list[str], list[str]] | None:
+    """``(words up to "run", words after it)`` when the command is ``run``, else None.
+
+    The words after ``run`` belong to the script (options included), so argparse must not
+    see them; only a leading ``-h``/``--help`` is kept for ``swapopt run --help``.
+    """
+    for index, word in enumerate(argv):
+        if word == "run":
+            return list(argv[: index + 1]), list(argv[index + 1 :])
+        if not word.startswith("-"):
+            return None
+    return None
+
+
 def _exit_code(exc: SystemExit) -> int:
     if exc.code is None:
         return 0
     return exc.code if isinstance(exc.code, int) else 2
+
+
+def _log_swapopt_only(level: int) -> None:
+    """With ``-v``, show swapopt's own records; the script's logging stays its own to set up."""
+    if level >= logging.WARNING:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for name in ("swapopt_core", "swapopt_plugins"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(level)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,12 +360,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: the command's own, or 2 for a usage error (0 for ``--help``).
     """
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    split = _split_run(argv)
+    run_words: list[str] = []
+    if split is not None:
+        argv, run_words = split
+        if run_words[:1] in (["-h"], ["--help"]):
+            argv, run_words = [*argv, "-h"], []
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help or a usage error: report the code instead of exiting
         return _exit_code(exc)
+    args.run_words = run_words
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "run":
+        _log_swapopt_only(level)
+    else:
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     logger.debug("running command %s", args.command)
     try:
         return args.handler(args)

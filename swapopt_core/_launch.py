@@ -1,0 +1,94 @@
+"""Process-wide facts ``swapopt run`` relies on: how many optimizers were swapped here, and the
+warning for a process that sets the offload flag without ``swapopt run``.
+
+Framework-free and cheap: imported by ``swapopt_core/__init__.py`` before anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+
+from swapopt_core._errors import SwapOptWarning
+
+__all__ = [
+    "DEVICE_ENV",
+    "RUN_ENV",
+    "note_swapped",
+    "offload_requested",
+    "started_by_cli",
+    "swapped_count",
+    "warn_without_run",
+]
+
+#: Set to ``1`` by ``swapopt run`` (and inherited by the processes the script starts).
+RUN_ENV = "SWAPOPT_RUN"
+#: The flag that asks for optimizer state in host memory.
+DEVICE_ENV = "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE"
+
+_swapped = 0
+_warned = False
+
+
+def note_swapped() -> None:
+    """Count one optimizer swapped in this process (called by ``swap_optimizer``)."""
+    global _swapped
+    _swapped += 1
+
+
+def swapped_count() -> int:
+    """How many optimizers ``swap_optimizer`` installed on in this process so far."""
+    return _swapped
+
+
+def offload_requested(environ: Mapping[str, str]) -> bool:
+    """Whether ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE`` asks for host memory (``cpu``, any case)."""
+    return environ.get(DEVICE_ENV, "").strip().lower() == "cpu"
+
+
+def started_by_cli(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` (``sys.orig_argv``) starts the ``swapopt`` command line itself.
+
+    True for ``.../bin/swapopt ...`` and ``python [options] -m swapopt_core ...``; that process
+    imports swapopt before ``swapopt run`` can set ``SWAPOPT_RUN``.
+    """
+    for index, word in enumerate(argv[1:], start=1):
+        if word in ("-m", "-mswapopt_core"):
+            return word == "-mswapopt_core" or argv[index + 1 : index + 2] == ["swapopt_core"]
+        if not word.startswith("-"):  # the script the interpreter runs
+            return os.path.basename(word) in ("swapopt", "swapopt.exe", "swapopt-script.py")
+    return False
+
+
+def warn_without_run(
+    environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None
+) -> bool:
+    """Warn once when the offload flag is set in a process not started by ``swapopt run``.
+
+    Only the local rank 0 warns, so a launch with many processes prints it once per machine.
+
+    Returns:
+        Whether the warning was issued now.
+    """
+    global _warned
+    environ = os.environ if environ is None else environ
+    argv = getattr(sys, "orig_argv", sys.argv) if argv is None else argv
+    if _warned or not offload_requested(environ) or environ.get(RUN_ENV, "").strip():
+        return False
+    if environ.get("LOCAL_RANK", "0") != "0" or started_by_cli(argv):
+        return False
+    _warned = True
+    warnings.warn(
+        f"{DEVICE_ENV}=cpu is set but this process was not started through `swapopt run`, so "
+        "only the optimizers the script hands to swapopt itself (SwapAccelerator, "
+        "SwapOptimizerCallback, swap_optimizer) are swapped; a plain Accelerator, "
+        "transformers.Trainer or Lightning Trainer keeps its state on the device. Run "
+        "`swapopt run train.py`, `accelerate launch --no_python swapopt run train.py` or "
+        "`torchrun --no-python ... swapopt run train.py` instead (silence this with "
+        f"-W 'ignore:{DEVICE_ENV}').",
+        SwapOptWarning,
+        stacklevel=2,
+    )
+    return True

@@ -2,8 +2,9 @@
 run as a script by ``swapopt run`` (``python _transformers_tiny.py OUT_DIR``).
 
 No downloads: the model is built from a config and the data are random tokens. Run as a
-script it trains once (no callback) and saves the final parameters and optimizer state
-with ``swap_stats`` of the optimizer, when swapped, to ``OUT_DIR/result.pt``.
+script (no callback) it trains once, then resumes a fresh Trainer from the mid-run
+checkpoint, and saves both runs' final parameters and optimizer state with ``swap_stats``
+of the optimizer, when swapped, to ``OUT_DIR/result.pt``.
 """
 
 from __future__ import annotations
@@ -71,29 +72,39 @@ def trainer(out: Path, callbacks: list | None = None, **overrides: Any) -> Train
     )
 
 
-def main(out: str) -> None:
+def _probe(seen: dict[str, Any]) -> Any:
     from swapopt_core import is_swap_optimizer, swap_stats
-
-    run = trainer(Path(out))
-    # NOTE: the swapped optimizer is unswapped at the end of train(), so the stats are
-    # taken at the last step through a callback-free probe: the optimizer's step hook.
-    seen: dict[str, Any] = {}
 
     def probe(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         seen["swapped"] = is_swap_optimizer(opt)
         if seen["swapped"]:
             seen["stats"] = swap_stats(opt)
 
+    return probe
+
+
+def _run(out: Path, resume: Path | None = None, **overrides: Any) -> dict[str, Any]:
+    run = trainer(out, **overrides)
+    # NOTE: a swap may be removed at the end of train(), so the stats are taken after each
+    # step by a callback-free probe (the optimizer's step hook) that works on any script.
+    seen: dict[str, Any] = {}
     run.create_optimizer()
-    run.optimizer.register_step_post_hook(probe)
-    run.train()
-    result = {
+    run.optimizer.register_step_post_hook(_probe(seen))
+    run.train(resume_from_checkpoint=None if resume is None else str(resume))
+    return {
         "params": {k: v.detach().clone() for k, v in run.model.named_parameters()},
         "optimizer": run.optimizer.state_dict(),
         "swapped": seen.get("swapped", False),
         "stats": vars(seen["stats"]) if "stats" in seen else None,
     }
-    torch.save(result, Path(out) / "result.pt")
+
+
+def main(out: str) -> None:
+    """Train once saving a checkpoint at step 3, then resume a fresh Trainer from it."""
+    root = Path(out)
+    whole = _run(root, save_strategy="steps", save_steps=3)
+    resumed = _run(root / "resumed", resume=root / "checkpoint-3")
+    torch.save({"whole": whole, "resumed": resumed}, root / "result.pt")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,12 @@ import _transformers_tiny as tiny  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from swapopt_core import OffloadConfig, SwapOptimizerConfig, is_swap_optimizer  # noqa: E402
+from swapopt_core import (  # noqa: E402
+    OffloadConfig,
+    SwapOptimizerConfig,
+    is_swap_optimizer,
+    swap_stats,
+)
 from swapopt_plugins._options import ENV_VARS  # noqa: E402
 from swapopt_plugins.transformers import SwapOptimizerCallback  # noqa: E402
 
@@ -80,8 +85,9 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_callback_equals_plain_trainer_and_resumes(tmp_path: Path, plain: dict) -> None:
     cb = SwapOptimizerCallback(LOOPBACK)
     run = tiny.trainer(tmp_path, [cb], save_strategy="steps", save_steps=3)
-    logs = Logs()
+    logs, between = Logs(), Between()
     run.add_callback(logs)
+    run.add_callback(between)
     run.train()
     _assert_same(plain, _result(run))
     # The state lived in host memory and is back on the optimizer, unswapped, at the end.
@@ -92,6 +98,9 @@ def test_callback_equals_plain_trainer_and_resumes(tmp_path: Path, plain: dict) 
     assert stats.host_state_bytes == stats.total_state_bytes > 0
     assert stats.resident_state_bytes == 0
     assert any(log.get("swapopt_host_state_bytes") == stats.host_state_bytes for log in logs.seen)
+    # Between optimizer steps no swapped state is on the device.
+    assert len(between.seen) == 6
+    assert all(s.resident_state_bytes == 0 and s.host_state_bytes > 0 for s in between.seen)
 
     # A fresh Trainer resumed from the mid-run checkpoint ends as the uninterrupted run.
     AcceleratorState._reset_state(True)
@@ -102,6 +111,16 @@ def test_callback_equals_plain_trainer_and_resumes(tmp_path: Path, plain: dict) 
     _assert_same(plain, _result(resumed))
     (stats2,) = cb2.stats
     assert stats2.steps == 3 and stats2.resident_state_bytes == 0
+
+
+class Between(TrainerCallback):
+    """``swap_stats`` of the Trainer's optimizer after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs) -> None:
+        self.seen.append(swap_stats(optimizer.optimizer))
 
 
 class Logs(TrainerCallback):
@@ -168,6 +187,7 @@ def _swapopt_run() -> Path:
     return swapopt
 
 
+@pytest.mark.slow
 def test_swapopt_run_swaps_an_unmodified_trainer_script(tmp_path: Path, plain: dict) -> None:
     swapopt = _swapopt_run()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWAPOPT_")}
@@ -181,10 +201,14 @@ def test_swapopt_run_swaps_an_unmodified_trainer_script(tmp_path: Path, plain: d
     subprocess.run(
         [str(swapopt), "run", str(script), str(tmp_path)], env=env, check=True, timeout=300
     )
-    result = torch.load(tmp_path / "result.pt", weights_only=False)
-    assert result["swapped"], "swapopt run did not swap the Trainer's optimizer"
-    assert result["stats"]["host_state_bytes"] == result["stats"]["total_state_bytes"] > 0
-    _assert_same(plain, result)
+    results = torch.load(tmp_path / "result.pt", weights_only=False)
+    for name, steps in [("whole", 6), ("resumed", 3)]:
+        result = results[name]
+        assert result["swapped"], f"swapopt run did not swap the {name} run's optimizer"
+        stats = result["stats"]
+        assert stats["steps"] == steps and stats["resident_state_bytes"] == 0
+        assert stats["host_state_bytes"] == stats["total_state_bytes"] > 0
+        _assert_same(plain, result)
 
 
 if __name__ == "__main__":  # pragma: no cover

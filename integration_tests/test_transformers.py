@@ -170,6 +170,8 @@ def test_install_globally_swaps_a_trainer_without_the_callback(
     for name, value in [("OFFLOAD_OPTIMIZER_DEVICE", "cpu"), ("RUNTIME", "loopback")]:
         monkeypatch.setenv(f"SWAPOPT_{name}", value)
     monkeypatch.setenv("SWAPOPT_MIN_NUMEL", "0")
+    monkeypatch.setenv("SWAPOPT_ACTIVATION_BUDGET_MB", "0.01")
+    monkeypatch.setenv("SWAPOPT_ACTIVATION_RUNTIME", "loopback")
     assert install_globally() and install_globally()  # idempotent
     run = tiny.trainer(tmp_path)
     (cb,) = [c for c in run.callback_handler.callbacks if isinstance(c, SwapOptimizerCallback)]
@@ -177,6 +179,31 @@ def test_install_globally_swaps_a_trainer_without_the_callback(
     _assert_same(plain, _result(run))
     (stats,) = cb.stats
     assert stats.steps == 6 and stats.host_state_bytes == stats.total_state_bytes > 0
+    offload = cb.offload_session.stats()
+    assert (offload.warmups, offload.replays, offload.retraces) == (1, 5, 0)
+
+
+class Boom(TrainerCallback):
+    """Raises after the second optimizer step while armed."""
+
+    armed = True
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self.armed and state.global_step == 2:
+            raise RuntimeError("boom")
+
+
+def test_after_an_exception_the_next_train_installs_again(tmp_path: Path) -> None:
+    cb, boom = SwapOptimizerCallback(LOOPBACK), Boom()
+    run = tiny.trainer(tmp_path, [cb, boom])
+    with pytest.raises(RuntimeError, match="boom"):
+        run.train()
+    # No Trainer event follows an exception: the optimizer stays swapped, and works.
+    assert is_swap_optimizer(run.optimizer.optimizer)
+    boom.armed = False
+    run.train()
+    assert not is_swap_optimizer(run.optimizer.optimizer)
+    assert cb.stats[0].steps == 6
 
 
 def _swapopt_run() -> Path:

@@ -1,13 +1,15 @@
 """HF Accelerate integration: swap prepared optimizers' state to host memory.
 
-Switched on at launch (``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu accelerate launch train.py``)
-with ``SwapAccelerator`` in ``train.py``. All swapopt keeps for an accelerator is one
-``_SwapState`` stored as ``accelerator._swapopt``: settings, swapped optimizers, activation
-session. ``SwapAccelerator``'s ``prepare``, ``load_state``, ``offload_session`` and
-``free_memory`` do Accelerate's part, then the swap's; for an ``Accelerator`` created
-elsewhere, the module functions of the same names take it first and keep the same state.
-The swap is installed in place on each ``AcceleratedOptimizer``'s inner optimizer, so
-schedulers, the gradient scaler and accumulation keep working. See ``docs/accelerate.md``.
+Switched on at launch: ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu accelerate launch --no_python
+swapopt run train.py`` makes every ``Accelerator`` swap (``install_globally``), with no change
+to ``train.py``; ``SwapAccelerator`` does it under plain ``accelerate launch``. All swapopt
+keeps for an accelerator is one ``_SwapState`` stored as ``accelerator._swapopt``: settings,
+swapped optimizers, activation session. ``SwapAccelerator``'s ``prepare``, ``load_state``,
+``offload_session`` and ``free_memory`` do Accelerate's part, then the swap's; for an
+``Accelerator`` created elsewhere, the module functions of the same names take it first and
+keep the same state. The swap is installed in place on each ``AcceleratedOptimizer``'s inner
+optimizer, so schedulers, the gradient scaler and accumulation keep working. See
+``docs/accelerate.md``.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ __all__ = [
     "SwapAccelerator",
     "SwapOptimizerPlugin",
     "free_memory",
+    "install_globally",
     "load_state",
     "offload_session",
     "prepare",
+    "uninstall_globally",
 ]
 
 
@@ -199,3 +203,26 @@ class SwapAccelerator(Accelerator):
         """Unswap the optimizers swapped by this accelerator, then ``Accelerator.free_memory``."""
         _state(self).unswap()
         return super().free_memory(*objects)
+
+
+def install_globally() -> bool:
+    """Make every ``Accelerator`` (plain, or ``transformers.Trainer``'s) swap like
+    ``SwapAccelerator`` when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``; ``swapopt run`` calls
+    it. Idempotent. See ``swapopt_plugins._accelerate_global``.
+
+    Returns:
+        Whether the patch is in place.
+
+    Raises:
+        ValueError: A ``SWAPOPT_*`` variable has an invalid value.
+    """
+    from swapopt_plugins import _accelerate_global
+
+    return _accelerate_global.install_globally()
+
+
+def uninstall_globally() -> bool:
+    """Undo ``install_globally``; returns whether a patch was removed."""
+    from swapopt_plugins import _accelerate_global
+
+    return _accelerate_global.uninstall_globally()

@@ -248,3 +248,18 @@ def test_two_process_launch_swaps_and_equals_plain(tmp_path: Path) -> None:
     assert first[0]["distributed_type"] == "MULTI_CPU"
     for name, value in first[0]["first"]["params"].items():
         assert torch.equal(first[1]["first"]["params"][name], value), name
+
+
+def test_trainer_swaps_through_the_accelerator_patch_alone(tmp_path: Path) -> None:
+    """``transformers.Trainer`` prepares its optimizer through ``Accelerator.prepare``, so
+    the patch alone swaps it; ends (and resumes from a checkpoint) as the plain Trainer."""
+    pytest.importorskip("transformers")
+    script = [sys.executable, str(SCRIPT.with_name("_accelerate_trainer_script.py")), "OUT"]
+    done = _run_all({"plain": script, "swapped": script}, tmp_path)
+    assert "install_globally: True" in done["swapped"][1]
+    got = torch.load(done["swapped"][0] / "result.pt", weights_only=False)
+    want = torch.load(done["plain"][0] / "result.pt", weights_only=False)
+    for run in ("whole", "resumed"):
+        assert got[run]["swapped"] and not want[run]["swapped"]
+        assert got[run]["stats"]["steps"] > 0 and got[run]["stats"]["resident_state_bytes"] == 0
+        _assert_equal(got[run], want[run], f"Trainer {run}")

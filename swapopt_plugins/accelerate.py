@@ -206,16 +206,9 @@ class SwapAccelerator(Accelerator):
 
 
 def install_globally() -> bool:
-    """Make every ``Accelerator`` (plain, or ``transformers.Trainer``'s) swap like
-    ``SwapAccelerator`` when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``; ``swapopt run`` calls
-    it. Idempotent. See ``swapopt_plugins._accelerate_global``.
-
-    Returns:
-        Whether the patch is in place.
-
-    Raises:
-        ValueError: A ``SWAPOPT_*`` variable has an invalid value.
-    """
+    """Make every ``Accelerator`` swap like ``SwapAccelerator`` when the ``SWAPOPT_*``
+    variables ask (``swapopt run`` calls it); returns whether the patch is in place.
+    Idempotent; raises ``ValueError`` for a bad variable. See ``_accelerate_global``."""
     from swapopt_plugins import _accelerate_global
 
     return _accelerate_global.install_globally()

@@ -54,10 +54,15 @@ def started_by_cli(argv: Sequence[str]) -> bool:
     True for ``.../bin/swapopt ...`` and ``python [options] -m swapopt_core ...``; that process
     imports swapopt before ``swapopt run`` can set ``SWAPOPT_RUN``.
     """
-    for index, word in enumerate(argv[1:], start=1):
-        if word in ("-m", "-mswapopt_core"):
-            return word == "-mswapopt_core" or argv[index + 1 : index + 2] == ["swapopt_core"]
-        if not word.startswith("-"):  # the script the interpreter runs
+    words = iter(argv[1:])
+    for word in words:
+        if word in ("-X", "-W"):  # an interpreter option with a value
+            next(words, None)
+        elif word.startswith("-m"):
+            return (word[2:] or next(words, "")) == "swapopt_core"
+        elif word == "-c" or word == "-":
+            return False
+        elif not word.startswith("-"):  # the script the interpreter runs
             return os.path.basename(word) in ("swapopt", "swapopt.exe", "swapopt-script.py")
     return False
 

@@ -1,18 +1,24 @@
 """The integrations ``swapopt run`` switches on, as ``swapopt`` plugins.
 
 Registered through the ``swapopt`` entry-point group (``pyproject.toml``), one plugin object
-per framework, each implementing ``swapopt_install_integrations``: when its framework is
-installed, it imports its integration module (only then, so a plain ``swap_optimizer`` never
-imports Accelerate, Lightning or Transformers) and calls its ``install_globally()``.
+per framework, each implementing ``swapopt_install_integrations``. When its framework is
+installed and the ``SWAPOPT_*`` variables ask for something, it calls its integration's
+``install_globally()``: at once when the framework is imported already, else right after the
+script imports it. So ``swapopt run`` imports no framework the script does not use, and a
+plain ``swap_optimizer`` never imports Accelerate, Lightning or Transformers.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
 import logging
 import os
-from collections.abc import Callable, MutableMapping
+import sys
+from collections.abc import Callable, MutableMapping, Sequence
+from types import ModuleType
+from typing import Any
 
 from swapopt_core import hookimpl
 from swapopt_plugins._options import AUTO_ENV, ENV_VARS, auto_enabled, read_settings
@@ -66,6 +72,50 @@ def _module_install(dotted: str) -> Callable[[], bool]:
     return install
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls functions right after a top-level package finished importing (first time only).
+
+    It finds nothing itself: it asks the finders after it for the spec and wraps that
+    loader's ``exec_module`` on the loader instance, so the module keeps its own loader.
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[Callable[[], object]]] = {}
+
+    def add(self, name: str, function: Callable[[], object]) -> None:
+        self.pending.setdefault(name, []).append(function)
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> Any:
+        if name not in self.pending:
+            return None
+        # NOTE: a spec may be only looked at (importlib.util.find_spec), never executed, so
+        # the functions run, and leave the queue, only when the module itself is executed.
+        spec = next(filter(None, (f.find_spec(name, path, target) for f in self._others())), None)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            del loader.exec_module  # back to the class's method
+            execute(module)
+            for function in self.pending.pop(name, []):
+                function()
+            if not self.pending and self in sys.meta_path:
+                sys.meta_path.remove(self)
+
+        loader.exec_module = exec_module
+        return spec
+
+    def _others(self) -> list[Any]:
+        return [f for f in sys.meta_path if f is not self and hasattr(f, "find_spec")]
+
+
+_after_import = _AfterImport()
+
+
 class Integration:
     """One framework's integration, as a plugin for ``swapopt_install_integrations``.
 
@@ -73,12 +123,22 @@ class Integration:
         name: What ``swapopt run`` reports when it is on, e.g. ``"accelerate"``.
         frameworks: Top-level packages; the integration applies when one is installed.
         install: Switches it on; returns whether it did.
+        deferred: Call ``install`` only once the script imports the first of ``frameworks``
+            (it imports the framework); else call it at once.
     """
 
-    def __init__(self, name: str, frameworks: tuple[str, ...], install: Callable[[], bool]):
+    def __init__(
+        self,
+        name: str,
+        frameworks: tuple[str, ...],
+        install: Callable[[], bool],
+        *,
+        deferred: bool = True,
+    ) -> None:
         self.name = name
         self.frameworks = frameworks
         self._install = install
+        self._deferred = deferred
 
     def __repr__(self) -> str:
         return f"Integration({self.name!r})"
@@ -89,13 +149,24 @@ class Integration:
         if not any(importlib.util.find_spec(name) is not None for name in self.frameworks):
             logger.debug("swapopt: %s is not installed; integration skipped", self.name)
             return None
-        return self.name if self._install() else None
+        if not self._deferred:
+            return self.name if self._install() else None
+        settings = read_settings({}, owner="swapopt run")  # a bad value stops swapopt run now
+        if not settings.enabled and settings.activations is None:
+            return None
+        if any(name in sys.modules for name in self.frameworks):
+            return self.name if self._install() else None
+        _after_import.add(self.frameworks[0], self._install)
+        logger.debug("swapopt: %s switches on when the script imports it", self.name)
+        return self.name
 
 
 accelerate = Integration(
     "accelerate", ("accelerate",), _module_install("swapopt_plugins.accelerate")
 )
-lightning = Integration("lightning", ("pytorch_lightning", "lightning"), enable_lightning_auto)
+lightning = Integration(
+    "lightning", ("pytorch_lightning", "lightning"), enable_lightning_auto, deferred=False
+)
 transformers = Integration(
     "transformers", ("transformers",), _module_install("swapopt_plugins.transformers")
 )

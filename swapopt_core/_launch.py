@@ -16,7 +16,9 @@ from swapopt_core._errors import SwapOptWarning
 __all__ = [
     "DEVICE_ENV",
     "RUN_ENV",
+    "note_offload_session",
     "note_swapped",
+    "offload_session_count",
     "offload_requested",
     "started_by_cli",
     "swapped_count",
@@ -29,6 +31,7 @@ RUN_ENV = "SWAPOPT_RUN"
 DEVICE_ENV = "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE"
 
 _swapped = 0
+_sessions = 0
 _warned = False
 
 
@@ -41,6 +44,17 @@ def note_swapped() -> None:
 def swapped_count() -> int:
     """How many optimizers ``swap_optimizer`` installed on in this process so far."""
     return _swapped
+
+
+def note_offload_session() -> None:
+    """Count one ``OffloadSession`` created in this process."""
+    global _sessions
+    _sessions += 1
+
+
+def offload_session_count() -> int:
+    """How many ``OffloadSession`` objects were created in this process so far."""
+    return _sessions
 
 
 def offload_requested(environ: Mapping[str, str]) -> bool:

@@ -14,6 +14,7 @@ import pluggy
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from swapopt_core import _launch
 from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.entry import Entry
 from swapopt_core._activations.executor import Executor
@@ -129,6 +130,7 @@ class OffloadSession:
         self._token: contextvars.Token | None = None
         self._lock = threading.Lock()
         self._owner: threading.Thread | None = None  # the thread inside the session
+        _launch.note_offload_session()  # what `swapopt run` checks at exit
 
     @property
     def trace(self) -> ActivationTrace | None:

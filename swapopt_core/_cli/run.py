@@ -19,7 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-from swapopt_core._launch import RUN_ENV, offload_requested, swapped_count
+from swapopt_core._launch import (
+    DEVICE_ENV,
+    RUN_ENV,
+    offload_requested,
+    offload_session_count,
+    swapped_count,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -115,24 +121,31 @@ def _exit_status(code: object) -> int:
 
 
 def _warn_if_nothing_swapped() -> None:
-    """Say once, at exit, that the flag was set but no optimizer was swapped here."""
-    asked = [
-        f"{name}={os.environ[name]}"
-        for name in ("SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE", _BUDGET_ENV)
-        if name in os.environ
-        and (offload_requested(os.environ) if "DEVICE" in name else os.environ[name].strip())
-    ]
-    if not asked or swapped_count() or not _main_rank():
+    """Say once, at exit, that the flags were set but nothing was swapped here.
+
+    With ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``: no optimizer was swapped. With only an
+    activation budget: no optimizer was swapped and no ``OffloadSession`` was created.
+    """
+    environ = os.environ
+    if not _main_rank() or swapped_count():
+        return
+    if offload_requested(environ):
+        asked, what = f"{DEVICE_ENV}={environ[DEVICE_ENV]}", "no optimizer was swapped"
+    elif environ.get(_BUDGET_ENV, "").strip() and not offload_session_count():
+        asked = f"{_BUDGET_ENV}={environ[_BUDGET_ENV]}"
+        what = "no optimizer was swapped and no activations were offloaded"
+    else:
         return
     # logging, not warnings: a filter the script installed must not turn this into an error;
     # without any handler configured, logging's last resort prints it to stderr.
     logger.warning(
-        "swapopt run: %s was set, but no optimizer was swapped in this process. The script "
-        "probably builds its optimizer outside a supported framework (an Accelerator's "
-        "prepare(), a transformers.Trainer, a Lightning Trainer); call "
-        "swapopt_core.swap_optimizer(optimizer) on it yourself, or check that the parameters "
-        "are on an accelerator (on the CPU set SWAPOPT_RUNTIME=loopback).",
-        " and ".join(asked),
+        "swapopt run: %s was set, but %s in this process. The script probably builds its "
+        "optimizer outside a supported framework (an Accelerator's prepare(), a "
+        "transformers.Trainer, a Lightning Trainer); call swapopt_core.swap_optimizer("
+        "optimizer) on it yourself, or check that the parameters are on an accelerator (on "
+        "the CPU set SWAPOPT_RUNTIME=loopback).",
+        asked,
+        what,
     )
 
 

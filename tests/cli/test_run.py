@@ -238,6 +238,12 @@ def test_warns_at_exit_when_nothing_was_swapped(tmp_path: Path) -> None:
     assert done.returncode == 0 and NOTHING_SWAPPED not in done.stderr, done.stderr
     done = _run([str(SWAPOPT), "run", str(_script(tmp_path, PLAIN_ADAM))], tmp_path)
     assert done.returncode == 0 and NOTHING_SWAPPED not in done.stderr  # no flag, no warning
+    budget = {"SWAPOPT_ACTIVATION_BUDGET_MB": "1"}
+    done = _run([str(SWAPOPT), "run", str(_script(tmp_path, PLAIN_ADAM))], tmp_path, **budget)
+    assert "no activations were offloaded in this process" in done.stderr, done.stderr
+    session = _script(tmp_path, "import swapopt_core\nswapopt_core.OffloadSession()\n")
+    done = _run([str(SWAPOPT), "run", str(session)], tmp_path, **budget)
+    assert done.returncode == 0 and "no optimizer was swapped" not in done.stderr, done.stderr
 
 
 def test_import_warning_without_swapopt_run(tmp_path: Path) -> None:

@@ -166,6 +166,64 @@ def test_started_by_cli() -> None:
     assert not started_by_cli(["python", "-c", "import swapopt_core"])
 
 
+def test_integrations_are_registered_through_the_entry_point_group() -> None:
+    from swapopt_core import get_plugin_manager
+
+    manager = get_plugin_manager()
+    for name in ("swapopt-accelerate", "swapopt-lightning", "swapopt-transformers"):
+        plugin = manager.get_plugin(name)
+        assert plugin is not None and hasattr(plugin, "swapopt_install_integrations"), name
+
+
+def test_lightning_auto_follows_the_flags() -> None:
+    from swapopt_plugins._integrations import enable_lightning_auto
+
+    env: dict[str, str] = {}
+    assert not enable_lightning_auto(env) and "SWAPOPT_LIGHTNING_AUTO" not in env
+    env = {"SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}
+    assert enable_lightning_auto(env) and env["SWAPOPT_LIGHTNING_AUTO"] == "1"
+    assert enable_lightning_auto({"SWAPOPT_ACTIVATION_BUDGET_MB": "64"})
+    off = {"SWAPOPT_ACTIVATION_BUDGET_MB": "64", "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE": "none"}
+    assert not enable_lightning_auto(off)
+    mine = {"SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "SWAPOPT_LIGHTNING_AUTO": "no"}
+    assert not enable_lightning_auto(mine) and mine["SWAPOPT_LIGHTNING_AUTO"] == "no"
+    with pytest.raises(ValueError, match="SWAPOPT_SWAP_TIMES='0'"):
+        enable_lightning_auto(
+            {"SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "SWAPOPT_SWAP_TIMES": "0"}
+        )
+
+
+def test_an_integration_waits_for_its_framework_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    from swapopt_plugins._integrations import Integration
+
+    package = tmp_path / "swapopt_fake_framework"
+    package.mkdir()
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    calls: list[int] = []
+
+    def install() -> bool:
+        calls.append(sys.modules["swapopt_fake_framework"].VALUE)  # runs after the import
+        return True
+
+    fake = Integration("fake", ("swapopt_fake_framework",), install)
+    assert fake.swapopt_install_integrations() is None  # no flag: nothing
+    monkeypatch.setenv("SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE", "cpu")
+    assert fake.swapopt_install_integrations() == "fake" and calls == []
+    assert importlib.util.find_spec("swapopt_fake_framework") is not None and calls == []
+    importlib.import_module("swapopt_fake_framework")
+    assert calls == [1]
+    monkeypatch.delitem(sys.modules, "swapopt_fake_framework")
+    importlib.import_module("swapopt_fake_framework")
+    assert calls == [1]  # once only
+    missing = Integration("missing", ("swapopt_no_such_framework",), install)
+    assert missing.swapopt_install_integrations() is None
+
+
 # ---- running a script like python does ---------------------------------------------------
 
 

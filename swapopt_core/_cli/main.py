@@ -329,8 +329,10 @@ def _log_swapopt_only(level: int) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     for name in ("swapopt_core", "swapopt_plugins"):
-        logging.getLogger(name).addHandler(handler)
-        logging.getLogger(name).setLevel(level)
+        logger_ = logging.getLogger(name)
+        logger_.addHandler(handler)
+        logger_.setLevel(level)
+        logger_.propagate = False  # else a handler the script installs prints them twice
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -102,7 +102,8 @@ def warn_without_run(
     warnings.warn(
         f"{DEVICE_ENV}=cpu is set but this process was not started through `swapopt run`, so "
         "only the optimizers the script hands to swapopt itself (SwapAccelerator, "
-        "SwapOptimizerCallback, swap_optimizer) are swapped; a plain Accelerator, "
+        "SwapOptimizerCallback, swap_optimizer, or an integration's install_globally() "
+        "called by the script) are swapped; otherwise a plain Accelerator, "
         "transformers.Trainer or Lightning Trainer keeps its state on the device. Run "
         "`swapopt run train.py`, `accelerate launch --no_python swapopt run train.py` or "
         "`torchrun --no-python ... swapopt run train.py` instead (silence this with "

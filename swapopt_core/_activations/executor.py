@@ -24,14 +24,10 @@ import logging
 import torch
 
 from swapopt_core._activations.config import OffloadConfig
+from swapopt_core._activations.cuda_runtime import CudaActivationRuntime
 from swapopt_core._activations.entry import Entry
 from swapopt_core._activations.residency import HostPool
-from swapopt_core._activations.runtime import (
-    ActivationRuntime,
-    CudaActivationRuntime,
-    RuntimeChoice,
-    resolve_runtime,
-)
+from swapopt_core._activations.runtime import ActivationRuntime, RuntimeChoice, resolve_runtime
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from swapopt_core._activations.async_runtime import AsyncLoopbackRuntime
-from swapopt_core._activations.runtime import ActivationRuntime, CudaActivationRuntime
+from swapopt_core._activations.cuda_runtime import CudaActivationRuntime
+from swapopt_core._activations.runtime import ActivationRuntime
 from swapopt_core.hookspecs import hookimpl
 
 

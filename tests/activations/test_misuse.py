@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from swapopt_core import OffloadConfig, OffloadSession, skip_offload
-from swapopt_core._activations import runtime as runtime_module
-from swapopt_core._activations.runtime import ActivationRuntime, CudaActivationRuntime
+from swapopt_core._activations import cuda_runtime as runtime_module
+from swapopt_core._activations.cuda_runtime import CudaActivationRuntime
+from swapopt_core._activations.runtime import ActivationRuntime
 from tests.activations.test_session import Net, Wide, _batch, _grads, _step
 
 ROOT = Path(__file__).resolve().parents[2]

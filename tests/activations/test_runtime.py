@@ -10,10 +10,10 @@ import torch
 
 from swapopt_core import OffloadConfig, OffloadSession
 from swapopt_core._activations.async_runtime import AsyncLoopbackRuntime
+from swapopt_core._activations.cuda_runtime import CudaActivationRuntime
 from swapopt_core._activations.entry import _device_of
 from swapopt_core._activations.runtime import (
     ActivationRuntime,
-    CudaActivationRuntime,
     byte_view,
     choose_runtime,
     resolve_runtime,

@@ -2,21 +2,28 @@
 
 Switches on every installed integration (through the ``swapopt_install_integrations`` hook,
 so this module imports no training framework), then runs the script as ``__main__`` the way
-``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) would: same ``sys.argv``, the script's
-directory (or, with ``-m``, the working directory) first on ``sys.path``, the same exit code,
-and an uncaught exception printed through ``sys.excepthook`` with exit code 1.
+``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) would: same ``sys.argv``, an absolute
+``__file__``, the script's directory (or, with ``-m``, the working directory) first on
+``sys.path``, Python's one-line error for a module ``-m`` cannot run, the same exit code, and
+an uncaught exception (``KeyboardInterrupt`` included) printed through ``sys.excepthook`` with
+the script's frames only. An uncaught ``KeyboardInterrupt`` ends the process by ``SIGINT``
+after the normal shutdown, as Python does.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import builtins
+import io
 import logging
 import os
+import pkgutil
 import runpy
 import sys
 import traceback
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib.machinery import SourceFileLoader, SourcelessFileLoader
 from types import TracebackType
 
 from swapopt_core._launch import (
@@ -149,13 +156,99 @@ def _warn_if_nothing_swapped() -> None:
     )
 
 
+class _NotRunnable(Exception):
+    """``-m`` names a module Python cannot run; the message is the one Python prints."""
+
+
+def _module_problem(name: str) -> str | None:
+    """Why ``python -m name`` would refuse to start, in Python's words, or None.
+
+    Asks runpy's own lookup, the one ``python -m`` runs before any code of the module, so
+    the message (a missing module, a package without ``__main__``, a ``.py`` suffix) and
+    the cases are Python's. An error raised while importing a parent package propagates.
+    """
+    lookup = getattr(runpy, "_get_module_details", None)
+    if lookup is None:  # pragma: no cover - a Python without it: run_module reports instead
+        return None
+    try:
+        lookup(name, _NotRunnable)
+    except _NotRunnable as problem:
+        return str(problem)
+    return None
+
+
+def _run_file(path: str) -> None:
+    """Run the file ``path`` as ``__main__`` the way ``python path`` does.
+
+    ``__file__`` and the code's file name are absolute (tracebacks show that path) while
+    ``sys.argv[0]`` stays as the user wrote it; a compiled ``.pyc`` runs too. The module
+    stands in for ``__main__`` while the script runs, as ``runpy.run_path`` does.
+    """
+    absolute = os.path.abspath(path)
+    with io.open_code(absolute) as file:
+        code = pkgutil.read_code(file)
+    loader: SourceFileLoader | SourcelessFileLoader
+    if code is None:
+        with io.open_code(absolute) as file:
+            code = compile(file.read(), absolute, "exec", dont_inherit=True)
+        loader = SourceFileLoader("__main__", absolute)
+    else:
+        loader = SourcelessFileLoader("__main__", absolute)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=absolute,
+        __cached__=None,
+        __loader__=loader,
+        __spec__=None,
+        __package__=None,
+        __builtins__=builtins,
+    )
+    previous = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if previous is not None:
+            sys.modules["__main__"] = previous
+
+
+def _print_uncaught(exc: BaseException) -> None:
+    """Print ``exc`` as Python prints an uncaught exception: the script's frames, through
+    ``sys.excepthook`` (the plain traceback if that hook itself fails)."""
+    # The default hook prints the exception's own traceback: trim that one.
+    exc.with_traceback(_script_frames(exc.__traceback__))
+    try:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    except Exception:  # a broken excepthook: fall back to the plain traceback
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+
+
+def _printed_already(hook: object) -> None:
+    """Make the next ``sys.excepthook`` call print nothing, then put ``hook`` back.
+
+    A ``KeyboardInterrupt`` is printed here with the script's frames and then re-raised,
+    so that Python itself ends the process by ``SIGINT`` after its normal shutdown; the
+    frames of the launcher it passes on the way out must not be printed again.
+    """
+
+    def printed(*args: object) -> None:
+        sys.excepthook = hook
+
+    sys.excepthook = printed
+
+
 def run(target: RunTarget) -> int:
     """Switch the integrations on and run ``target`` as ``__main__``.
 
     Returns:
         The exit status ``python SCRIPT`` would have: 0, the ``sys.exit`` code, or 1 after an
-        uncaught exception (printed through ``sys.excepthook``). 2 when a ``SWAPOPT_*``
-        variable is invalid or the script does not exist; the script does not start then.
+        uncaught exception (printed through ``sys.excepthook``) or for a module ``-m``
+        cannot run (Python's one-line message). 2 when a ``SWAPOPT_*`` variable is invalid
+        or the script does not exist; the script does not start then.
+
+    Raises:
+        KeyboardInterrupt: Uncaught by the script; printed here already, it propagates so
+            that the interpreter exits by ``SIGINT`` as ``python SCRIPT`` does.
     """
     if not target.is_module and not os.path.exists(target.target):
         print(f"swapopt run: error: no such script: {target.target!r}", file=sys.stderr)
@@ -170,30 +263,34 @@ def run(target: RunTarget) -> int:
         print(f"swapopt run: integrations on: {on}", file=sys.stderr)
     logger.info("swapopt run: %s %s with integrations %s", target.target, target.args, names)
     sys.argv = [target.target, *target.args]
+    # A file runs as a script; a directory or zip file (a sys.path entry) by its __main__.py.
+    is_file = not target.is_module and pkgutil.get_importer(target.target) is None
     if target.is_module:
         sys.path[0:1] = [os.getcwd()]  # python -m puts the working directory first
-    else:
+    elif is_file:
         sys.path[0:1] = [os.path.dirname(os.path.abspath(target.target))]
+    else:
+        del sys.path[0]  # run_path puts the directory or zip file itself first
     try:
         if target.is_module:
-            if importlib.util.find_spec(target.target) is None:
-                print(f"swapopt run: error: no module named {target.target!r}", file=sys.stderr)
-                return 1  # what `python -m missing` returns
+            problem = _module_problem(target.target)
+            if problem is not None:
+                print(f"{sys.executable}: {problem}", file=sys.stderr)
+                return 1  # what `python -m missing` prints and returns
             runpy.run_module(target.target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(target.target, run_name="__main__")
+        elif is_file:
+            _run_file(target.target)
+        else:  # absolute, as Python makes it (only sys.argv[0] then differs: absolute too)
+            runpy.run_path(os.path.abspath(target.target), run_name="__main__")
         status = 0
     except SystemExit as exc:
         status = _exit_status(exc.code)
-    except KeyboardInterrupt:
-        raise  # Python's own handling: the traceback and the SIGINT status
+    except KeyboardInterrupt as exc:
+        _print_uncaught(exc)
+        _printed_already(sys.excepthook)
+        raise
     except BaseException as exc:  # noqa: BLE001 - printed like Python prints it
-        # The default hook prints the exception's own traceback: trim that one.
-        exc.with_traceback(_script_frames(exc.__traceback__))
-        try:
-            sys.excepthook(type(exc), exc, exc.__traceback__)
-        except Exception:  # a broken excepthook: fall back to the plain traceback
-            traceback.print_exception(type(exc), exc, exc.__traceback__)
+        _print_uncaught(exc)
         status = 1
     sys.stdout.flush()
     if status == 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swapopt_core._cli.run import RunTarget, UsageError, parse_target
+from swapopt_core._cli.run import RunTarget, UsageError, _module_problem, parse_target
 from swapopt_core._launch import started_by_cli
 
 BIN = Path(sys.executable).parent
@@ -271,7 +272,6 @@ def test_usage_errors(tmp_path: Path) -> None:
         ([], 2, "name the script"),
         (["--nope"], 2, "unknown option '--nope'"),
         (["missing.py"], 2, "no such script: 'missing.py'"),
-        (["-m", "no_such_module_xyz"], 1, "no module named 'no_such_module_xyz'"),
     ):
         done = _run([str(SWAPOPT), "run", *words], tmp_path)
         assert done.returncode == code and message in done.stderr, done.stderr
@@ -282,6 +282,85 @@ def test_usage_errors(tmp_path: Path) -> None:
     )
     assert done.returncode == 2 and "SWAPOPT_SWAP_TIMES='0'" in done.stderr
     assert done.stdout == ""  # the script did not start
+
+
+# ---- side by side with python itself -------------------------------------------------------
+
+
+def _interpreter(form: str) -> str:
+    """The interpreter a form runs on (the one its ``sys.executable`` names)."""
+    if form == "script":
+        return SWAPOPT.read_text().splitlines()[0].removeprefix("#!").strip()
+    return sys.executable
+
+
+def _without_banner(stderr: str) -> str:
+    return "".join(line for line in stderr.splitlines(True) if not line.startswith("swapopt run: "))
+
+
+READER = """
+import json, os, sys
+here = os.path.dirname(__file__)
+os.chdir(os.sep)  # elsewhere: a relative __file__ would not find data.txt any more
+with open(os.path.join(here, "data.txt")) as file:
+    data = file.read()
+print(json.dumps({"file": __file__, "argv": sys.argv, "path0": sys.path[0], "data": data}))
+"""
+
+INTERRUPTED = """
+import atexit, signal, sys
+atexit.register(lambda: print("atexit ran", flush=True))
+def inner():
+    signal.raise_signal(signal.SIGINT)  # what Ctrl-C does: KeyboardInterrupt in this frame
+def outer():
+    inner()
+print("started", flush=True)
+outer()
+"""
+
+
+def test_relative_script_path_gives_what_python_gives(tmp_path: Path) -> None:
+    script = _script(tmp_path, READER, name="reader.py")
+    (script.parent / "data.txt").write_text("next to the script")
+    relative = str(script.relative_to(tmp_path))
+    python = _run([_interpreter("script"), relative, "x"], tmp_path)
+    swapopt = _run([*FORMS["script"], relative, "x"], tmp_path)
+    assert python.returncode == 0 and json.loads(python.stdout)["data"], python.stderr
+    assert (swapopt.returncode, swapopt.stdout) == (python.returncode, python.stdout), (
+        swapopt.stderr
+    )
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_missing_module_gives_pythons_one_line(tmp_path: Path, form: str) -> None:
+    name = "no_such_package_xyz.mod"
+    python = _run([_interpreter(form), "-m", name], tmp_path)
+    swapopt = _run([*FORMS[form], "-m", name], tmp_path)
+    assert python.returncode == 1 and len(python.stderr.splitlines()) == 1, python.stderr
+    assert (swapopt.returncode, _without_banner(swapopt.stderr)) == (1, python.stderr)
+
+
+def test_every_module_python_refuses_is_refused_in_its_words(tmp_path: Path) -> None:
+    # A missing module, a package without __main__, a file name, a relative name.
+    for name in ("no_such_module_xyz", "json", "os.py", ".relative"):
+        python = _run([sys.executable, "-m", name], tmp_path)
+        assert python.returncode == 1, python.stderr
+        assert f"{sys.executable}: {_module_problem(name)}\n" == python.stderr
+    assert _module_problem("json.tool") is None
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_keyboard_interrupt_ends_as_python_ends(tmp_path: Path, form: str) -> None:
+    script = str(_script(tmp_path, INTERRUPTED, name="interrupted.py"))
+    python = _run([_interpreter(form), script], tmp_path)
+    swapopt = _run([*FORMS[form], script], tmp_path)
+    assert python.returncode == -signal.SIGINT and "KeyboardInterrupt" in python.stderr
+    assert python.stdout == "started\natexit ran\n"
+    assert (swapopt.returncode, swapopt.stdout, _without_banner(swapopt.stderr)) == (
+        python.returncode,
+        python.stdout,
+        python.stderr,
+    )
 
 
 # ---- the warnings ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 import pickle
 import re
@@ -188,6 +189,30 @@ def test_exception_unswaps_and_leaves_the_session(tmp_path, package) -> None:
         pass
     (opt,) = probe.optimizers
     assert not is_swap_optimizer(opt)
+
+
+class NoOptimizer:
+    """``configure_optimizers`` returns None: Lightning trains with a stand-in optimizer."""
+
+    def configure_optimizers(self) -> None:
+        return None
+
+
+def test_module_without_optimizer_trains_and_says_so_once(tmp_path, package, caplog) -> None:
+    make = package.model(NoOptimizer, NoLog)
+    plain = M.fit(tmp_path / "plain", make=make, package=package)
+    cb = package.callback(M.LOOPBACK, activation_offload=ACTIVATIONS)
+    with caplog.at_level(logging.INFO, logger="swapopt_plugins"):
+        swapped = M.fit(tmp_path / "swap", [cb], make=make, package=package)
+    assert swapped.trainer.global_step == plain.trainer.global_step == 6
+    assert_same(plain, swapped)
+    said = [r for r in caplog.records if "nothing to swap" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "configure_optimizers returned None" in said[0].getMessage()
+    # The activation offload still ran, one session entry per (stand-in) optimizer step.
+    (session,) = cb.offload_sessions.values()
+    stats = session.stats()
+    assert stats.warmups + stats.replays + stats.retraces == 6
 
 
 # ---- checkpoints ------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Process-wide facts ``swapopt run`` relies on: how many optimizers were swapped here, and the
-warning for a process that sets the offload flag without ``swapopt run``.
+"""Process-wide facts ``swapopt run`` relies on: how many optimizers were swapped here (and
+whether an integration found none to swap and said so), and the warning for a process that
+sets the offload flag without ``swapopt run``.
 
 Framework-free and cheap: imported by ``swapopt_core/__init__.py`` before anything else.
 """
@@ -16,8 +17,10 @@ from swapopt_core._errors import SwapOptWarning
 __all__ = [
     "DEVICE_ENV",
     "RUN_ENV",
+    "note_nothing_to_swap",
     "note_offload_session",
     "note_swapped",
+    "nothing_to_swap_count",
     "offload_session_count",
     "offload_requested",
     "started_by_cli",
@@ -32,6 +35,7 @@ DEVICE_ENV = "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE"
 
 _swapped = 0
 _sessions = 0
+_nothing_to_swap = 0
 _warned = False
 
 
@@ -44,6 +48,17 @@ def note_swapped() -> None:
 def swapped_count() -> int:
     """How many optimizers ``swap_optimizer`` installed on in this process so far."""
     return _swapped
+
+
+def note_nothing_to_swap() -> None:
+    """Count one integration that found no optimizer to swap and told the user so."""
+    global _nothing_to_swap
+    _nothing_to_swap += 1
+
+
+def nothing_to_swap_count() -> int:
+    """How many times an integration said it had no optimizer to swap in this process."""
+    return _nothing_to_swap
 
 
 def note_offload_session() -> None:

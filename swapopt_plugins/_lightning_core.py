@@ -24,6 +24,7 @@ from swapopt_core import (
     swap_optimizer,
     unswap_optimizer,
 )
+from swapopt_core._launch import note_nothing_to_swap
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,16 @@ class SwapCallbackCore:
             self.config,
             f"; activation offload {self.activation_offload}" if self.activation_offload else "",
         )
+
+    def nothing_to_swap(self, why: str) -> None:
+        """Say (once per call, on rank zero) that this run has no optimizer to swap.
+
+        Training goes on: activation offload, if configured, still runs. ``swapopt run``
+        counts the message and does not repeat it at exit.
+        """
+        note_nothing_to_swap()
+        if self.rank_zero:
+            logger.warning("swapopt: %s, so there is nothing to swap; training goes on", why)
 
     def reoffload(self) -> int:
         """Take state a checkpoint restore moved to the device back into host memory."""

@@ -52,6 +52,20 @@ def refusal(strategy: object) -> str | None:
     return None
 
 
+#: Lightning's stand-in optimizers (``configure_optimizers`` returned None), by name, as this
+#: module imports no Lightning: a callback of one package may serve the other's Trainer.
+_PLACEHOLDERS = frozenset(
+    f"{package}.core.optimizer._MockOptimizer"
+    for package in ("pytorch_lightning", "lightning.pytorch")
+)
+
+
+def _is_placeholder(optimizer: object) -> bool:
+    """Whether ``optimizer`` is Lightning's stand-in for a module without an optimizer."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}" in _PLACEHOLDERS
+
+
 def _window_done(trainer: Any, batch_idx: int) -> bool:
     """Whether this batch ends an accumulation window (so its optimizer step has run)."""
     accumulate = trainer.accumulate_grad_batches
@@ -126,12 +140,17 @@ class SwapCallbackHooks:
             raise self._misconfiguration(reason)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._core.active:
-            self._core.install(
-                trainer.strategy.optimizers,
-                automatic=pl_module.automatic_optimization,
-                rank_zero=trainer.is_global_zero,
-            )
+        if not self._core.active:
+            return
+        optimizers = list(trainer.strategy.optimizers)
+        real = [opt for opt in optimizers if not _is_placeholder(opt)]
+        self._core.rank_zero = trainer.is_global_zero
+        if len(real) < len(optimizers):
+            # NOTE: Lightning trains such a module with a stand-in that has no state.
+            self._core.nothing_to_swap("configure_optimizers returned None (no optimizer)")
+        self._core.install(
+            real, automatic=pl_module.automatic_optimization, rank_zero=trainer.is_global_zero
+        )
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Lightning restored the checkpoint after on_fit_start and moved the state to the

@@ -29,6 +29,7 @@ from types import TracebackType
 from swapopt_core._launch import (
     DEVICE_ENV,
     RUN_ENV,
+    nothing_to_swap_count,
     offload_requested,
     offload_session_count,
     swapped_count,
@@ -131,10 +132,12 @@ def _warn_if_nothing_swapped() -> None:
     """Say once, at exit, that the flags were set but nothing was swapped here.
 
     With ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``: no optimizer was swapped. With only an
-    activation budget: no optimizer was swapped and no ``OffloadSession`` was created.
+    activation budget: no optimizer was swapped and no ``OffloadSession`` was created. Quiet
+    when an integration already said that it had no optimizer to swap (a Lightning module
+    whose ``configure_optimizers`` returns None).
     """
     environ = os.environ
-    if not _main_rank() or swapped_count():
+    if not _main_rank() or swapped_count() or nothing_to_swap_count():
         return
     if offload_requested(environ):
         asked, what = f"{DEVICE_ENV}={environ[DEVICE_ENV]}", "no optimizer was swapped"

@@ -97,6 +97,31 @@ if trainer.global_rank == 0:
     print("REPORT " + json.dumps(Probe.report))
 """
 
+LIGHTNING_NO_OPTIMIZER = """
+import torch
+import pytorch_lightning as pl
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(32, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return None  # legal: Lightning trains with a stand-in optimizer
+
+
+data = torch.utils.data.TensorDataset(torch.randn(24, 32), torch.randn(24, 1))
+trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=4))
+print("global_step", trainer.global_step)
+"""
+
 SWAP_ENV = {
     "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
     "SWAPOPT_RUNTIME": "loopback",
@@ -427,6 +452,16 @@ def test_lightning_script_is_swapped_and_bit_identical(tmp_path: Path) -> None:
     assert swapped["host"] > 0 and swapped["resident"] == 0  # all state in host memory
     assert NOTHING_SWAPPED not in done.stderr
     _same_state(tmp_path / "plain.pt", tmp_path / "swap.pt")
+
+
+def test_lightning_module_without_optimizer_trains_and_is_told_once(tmp_path: Path) -> None:
+    pytest.importorskip("pytorch_lightning")
+    script = str(_script(tmp_path, LIGHTNING_NO_OPTIMIZER))
+    done = _run([str(SWAPOPT), "run", script], tmp_path, **SWAP_ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "global_step 3" in done.stdout
+    assert done.stderr.count("nothing to swap") == 1, done.stderr
+    assert NOTHING_SWAPPED not in done.stderr  # said once, by the callback
 
 
 @pytest.mark.slow

@@ -2,9 +2,10 @@
 run as a script by ``swapopt run`` (``python _transformers_tiny.py OUT_DIR``).
 
 No downloads: the model is built from a config and the data are random tokens. Run as a
-script (no callback) it trains once, then resumes a fresh Trainer from the mid-run
-checkpoint, and saves both runs' final parameters and optimizer state with ``swap_stats``
-of the optimizer, when swapped, to ``OUT_DIR/result.pt``.
+script (no callback) it trains once, trains the same Trainer again from the mid-run
+checkpoint, then resumes a fresh Trainer from it, and saves the three runs' final parameters
+and optimizer state, with ``swap_stats`` of the optimizer when swapped and whether it was
+still swapped after ``train()``, to ``OUT_DIR/result.pt``.
 """
 
 from __future__ import annotations
@@ -83,28 +84,42 @@ def _probe(seen: dict[str, Any]) -> Any:
     return probe
 
 
-def _run(out: Path, resume: Path | None = None, **overrides: Any) -> dict[str, Any]:
-    run = trainer(out, **overrides)
+def _run(
+    out: Path, resume: Path | None = None, run: Trainer | None = None, **overrides: Any
+) -> dict[str, Any]:
+    """Train ``run`` (default: a fresh Trainer), from ``resume`` if given."""
     # NOTE: a swap may be removed at the end of train(), so the stats are taken after each
     # step by a callback-free probe (the optimizer's step hook) that works on any script.
     seen: dict[str, Any] = {}
-    run.create_optimizer()
-    run.optimizer.register_step_post_hook(_probe(seen))
+    if run is None:
+        run = trainer(out, **overrides)
+        run.create_optimizer()
+    inner = getattr(run.optimizer, "optimizer", run.optimizer)  # prepared by a first train()
+    handle = inner.register_step_post_hook(_probe(seen))
     run.train(resume_from_checkpoint=None if resume is None else str(resume))
+    handle.remove()
+    from swapopt_core import is_swap_optimizer
+
     return {
         "params": {k: v.detach().clone() for k, v in run.model.named_parameters()},
         "optimizer": run.optimizer.state_dict(),
         "swapped": seen.get("swapped", False),
         "stats": vars(seen["stats"]) if "stats" in seen else None,
+        "swapped_after": is_swap_optimizer(inner),
+        "trainer": run,
     }
 
 
 def main(out: str) -> None:
-    """Train once saving a checkpoint at step 3, then resume a fresh Trainer from it."""
+    """Train once saving a checkpoint at step 3, train the same Trainer again from it (a
+    second ``train()``), then resume a fresh Trainer from it."""
     root = Path(out)
     whole = _run(root, save_strategy="steps", save_steps=3)
+    again = _run(root, resume=root / "checkpoint-3", run=whole.pop("trainer"))
+    again.pop("trainer")
     resumed = _run(root / "resumed", resume=root / "checkpoint-3")
-    torch.save({"whole": whole, "resumed": resumed}, root / "result.pt")
+    resumed.pop("trainer")
+    torch.save({"whole": whole, "again": again, "resumed": resumed}, root / "result.pt")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,38 @@ def test_bad_setting_is_named_and_patches_nothing(monkeypatch: pytest.MonkeyPatc
     assert Accelerator.__dict__["prepare"] is prepare
 
 
+def test_release_takes_back_only_a_swap_prepare_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the Trainer callback calls at the end of train() under ``swapopt run``."""
+    import gc
+
+    from swapopt_core import swap_optimizer, unswap_optimizer
+    from swapopt_plugins import accelerate as swap_accelerate
+
+    _flag_on(monkeypatch)
+    install_globally()
+    accelerator = Accelerator(cpu=True)
+    _, optimizer = accelerator.prepare(*_objects())
+    assert swap_accelerate.release(optimizer.optimizer) is True
+    assert not is_swap_optimizer(optimizer.optimizer) and accelerator._swapopt.optimizers == []
+    assert swap_accelerate.release(optimizer.optimizer) is False  # nothing left to take back
+    accelerator.prepare(optimizer)  # prepared again: swapped again
+    assert is_swap_optimizer(optimizer.optimizer)
+    # A swap the user made before prepare() is theirs: release leaves it.
+    model, mine = _objects()
+    swap_optimizer(mine, swap_accelerate.SwapOptimizerPlugin().swap_config())
+    _, prepared = accelerator.prepare(model, mine)
+    assert swap_accelerate.release(mine) is False and is_swap_optimizer(mine)
+    # The registry holds neither the optimizers nor the accelerator (unswapped by hand first:
+    # what keeps a dropped swapped optimizer alive is not this registry's concern).
+    unswap_optimizer(optimizer.optimizer)
+    unswap_optimizer(mine)
+    assert len(swap_accelerate._swapped_by) == 1
+    del accelerator, optimizer, prepared, mine, model
+    _reset()
+    gc.collect()
+    assert len(swap_accelerate._swapped_by) == 0
+
+
 def test_deepspeed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     _flag_on(monkeypatch)
     install_globally()
@@ -259,7 +291,7 @@ def test_trainer_swaps_through_the_accelerator_patch_alone(tmp_path: Path) -> No
     assert "install_globally: True" in done["swapped"][1]
     got = torch.load(done["swapped"][0] / "result.pt", weights_only=False)
     want = torch.load(done["plain"][0] / "result.pt", weights_only=False)
-    for run in ("whole", "resumed"):
+    for run in ("whole", "again", "resumed"):  # "again": a second train() of one Trainer
         assert got[run]["swapped"] and not want[run]["swapped"]
         assert got[run]["stats"]["steps"] > 0 and got[run]["stats"]["resident_state_bytes"] == 0
         _assert_equal(got[run], want[run], f"Trainer {run}")

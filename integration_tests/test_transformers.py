@@ -183,6 +183,52 @@ def test_install_globally_swaps_a_trainer_without_the_callback(
     assert (offload.warmups, offload.replays, offload.retraces) == (1, 5, 0)
 
 
+class Swapped(TrainerCallback):
+    """Whether the Trainer's optimizer was swapped at each optimizer step."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs) -> None:
+        self.seen.append(is_swap_optimizer(optimizer.optimizer))
+
+
+@pytest.mark.parametrize("way", ["callback", "swapopt run"])
+def test_plain_after_train_and_swapped_again_by_the_next(
+    tmp_path: Path, plain: dict, monkeypatch: pytest.MonkeyPatch, way: str
+) -> None:
+    """``swapopt run``'s setting, in this process: the Accelerate patch swaps at prepare()
+    and the callback every Trainer gets keeps that swap; after train() the optimizer is
+    plain, as docs/transformers.md says, and a second train() (a resume) swaps again."""
+    import transformers.trainer as hf_trainer
+
+    from swapopt_plugins import accelerate as swap_accelerate
+    from swapopt_plugins import transformers as swap_transformers
+
+    callbacks = [SwapOptimizerCallback(LOOPBACK)] if way == "callback" else []
+    if way == "swapopt run":
+        monkeypatch.setattr(hf_trainer, "DEFAULT_CALLBACKS", list(hf_trainer.DEFAULT_CALLBACKS))
+        for name, value in [("OFFLOAD_OPTIMIZER_DEVICE", "cpu"), ("RUNTIME", "loopback")]:
+            monkeypatch.setenv(f"SWAPOPT_{name}", value)
+        monkeypatch.setenv("SWAPOPT_MIN_NUMEL", "0")
+        assert swap_accelerate.install_globally() and swap_transformers.install_globally()
+    try:
+        run = tiny.trainer(tmp_path, callbacks, save_strategy="steps", save_steps=3)
+        swapped = Swapped()
+        run.add_callback(swapped)
+        run.train()
+        assert swapped.seen == [True] * 6
+        assert not is_swap_optimizer(run.optimizer.optimizer)
+        _assert_same(plain, _result(run))
+        swapped.seen.clear()
+        run.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+        assert swapped.seen == [True] * 3
+        assert not is_swap_optimizer(run.optimizer.optimizer)
+        _assert_same(plain, _result(run))
+    finally:
+        swap_accelerate.uninstall_globally()
+
+
 class Boom(TrainerCallback):
     """Raises after the second optimizer step while armed."""
 
@@ -207,7 +253,7 @@ def test_after_an_exception_the_next_train_installs_again(tmp_path: Path) -> Non
 
 
 def _swapopt_run() -> Path:
-    swapopt = REPO / ".venv" / "bin" / "swapopt"
+    swapopt = Path(sys.executable).parent / "swapopt"
     usage = subprocess.run([str(swapopt), "-h"], capture_output=True, text=True, check=False)
     if not re.search(r"\brun\b", usage.stdout):
         pytest.skip("this checkout's swapopt has no `run` command yet")
@@ -229,9 +275,11 @@ def test_swapopt_run_swaps_an_unmodified_trainer_script(tmp_path: Path, plain: d
         [str(swapopt), "run", str(script), str(tmp_path)], env=env, check=True, timeout=300
     )
     results = torch.load(tmp_path / "result.pt", weights_only=False)
-    for name, steps in [("whole", 6), ("resumed", 3)]:
+    for name, steps in [("whole", 6), ("again", 3), ("resumed", 3)]:
         result = results[name]
         assert result["swapped"], f"swapopt run did not swap the {name} run's optimizer"
+        # As docs/transformers.md says: a plain optimizer again once train() returned.
+        assert not result["swapped_after"], f"the {name} run's optimizer stayed swapped"
         stats = result["stats"]
         assert stats["steps"] == steps and stats["resident_state_bytes"] == 0
         assert stats["host_state_bytes"] == stats["total_state_bytes"] > 0

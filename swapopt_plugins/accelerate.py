@@ -8,13 +8,15 @@ swapped optimizers, activation session. ``SwapAccelerator``'s ``prepare``, ``loa
 ``offload_session`` and ``free_memory`` do Accelerate's part, then the swap's; for an
 ``Accelerator`` created elsewhere, the module functions of the same names take it first and
 keep the same state. The swap is installed in place on each ``AcceleratedOptimizer``'s inner
-optimizer, so schedulers, the gradient scaler and accumulation keep working. See
-``docs/accelerate.md``.
+optimizer, so schedulers, the gradient scaler and accumulation keep working. ``release``
+takes back the swap a ``prepare`` made on one optimizer (the ``transformers.Trainer``
+callback calls it at the end of ``train()``). See ``docs/accelerate.md``.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from accelerate import Accelerator
@@ -41,6 +43,7 @@ __all__ = [
     "load_state",
     "offload_session",
     "prepare",
+    "release",
     "uninstall_globally",
 ]
 
@@ -73,7 +76,12 @@ class _SwapState:
                 logger.info("swapopt: %s was swapped already; kept", type(obj.optimizer).__name__)
             else:
                 swap_optimizer(obj.optimizer, config)
+                _swapped_by[obj.optimizer] = weakref.ref(self)
             self.optimizers.append(obj)
+
+    def forget(self, optimizer: Any) -> None:
+        """Drop the entries wrapping ``optimizer``: a later ``prepare`` swaps it anew."""
+        self.optimizers = [opt for opt in self.optimizers if opt.optimizer is not optimizer]
 
     def reoffload(self) -> None:
         moved = sum(offload_optimizer_state(opt.optimizer) for opt in self.optimizers)
@@ -82,7 +90,33 @@ class _SwapState:
     def unswap(self) -> None:
         optimizers, self.optimizers, self.session = self.optimizers, [], None
         for opt in optimizers:
+            _swapped_by.pop(opt.optimizer, None)
             unswap_optimizer(opt.optimizer)
+
+
+# Inner optimizer -> the accelerator state whose prepare() swapped it. NOTE: weak both ways,
+# so this registry never keeps an optimizer or an accelerator alive.
+_swapped_by: weakref.WeakKeyDictionary[Any, weakref.ref[_SwapState]] = weakref.WeakKeyDictionary()
+
+
+def release(optimizer: Any) -> bool:
+    """Take back the swap an accelerator's ``prepare`` installed on ``optimizer``.
+
+    ``optimizer`` is the torch optimizer (``accelerated_optimizer.optimizer``). Unswaps it
+    (state back on the device, a plain optimizer again) and drops it from that accelerator,
+    so that its next ``prepare`` swaps it again. An optimizer swapped some other way (by
+    ``swap_optimizer`` or a callback) is left alone.
+
+    Returns:
+        Whether a swap made by ``prepare`` was removed.
+    """
+    owner = _swapped_by.pop(optimizer, None)
+    state = None if owner is None else owner()
+    if state is None or not is_swap_optimizer(optimizer):
+        return False
+    state.forget(optimizer)
+    unswap_optimizer(optimizer)
+    return True
 
 
 def _state(accelerator: Accelerator, plugin: SwapOptimizerPlugin | None = None) -> _SwapState:

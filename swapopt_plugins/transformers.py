@@ -5,9 +5,11 @@ restores a checkpoint's optimizer state (``train(resume_from_checkpoint=...)``) 
 calls ``on_train_begin``, so the swap installed there takes the restored state straight to
 host memory; an optimizer someone else swapped already (``swapopt run``'s Accelerate patch,
 or the user) is kept and its restored state re-offloaded. ``on_train_end`` records
-``swap_stats`` and removes the swap. The Trainer has no hook for an exception in ``train``:
-there the optimizer stays swapped (it keeps working; the next ``train`` re-installs it, or
-call ``unswap_optimizer(trainer.optimizer.optimizer)``). See ``docs/transformers.md``.
+``swap_stats`` and removes the swap made for this ``train()``: its own, or the one the
+Accelerate patch made at ``prepare()`` (a swap the user installed stays). The Trainer has no
+hook for an exception in ``train``: there the optimizer stays swapped (it keeps working; the
+next ``train`` re-installs it, or call ``unswap_optimizer(trainer.optimizer.optimizer)``).
+See ``docs/transformers.md``.
 
 The decisions (what to swap and unswap, when a session opens and closes) are those of the
 Lightning callback, ``swapopt_plugins._lightning_core.SwapCallbackCore``; this module maps
@@ -16,7 +18,6 @@ the Trainer's events onto them.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -35,8 +36,7 @@ from swapopt_core import (
 )
 from swapopt_plugins._lightning_core import SwapCallbackCore
 from swapopt_plugins._options import read_settings
-
-logger = logging.getLogger(__name__)
+from swapopt_plugins.accelerate import release
 
 __all__ = ["SwapOptimizerCallback", "install_globally"]
 
@@ -118,7 +118,8 @@ class SwapOptimizerCallback(TrainerCallback):
         self._refuse(args)
         optimizer = kwargs.get("optimizer")
         if optimizer is None:
-            logger.warning("swapopt: the Trainer passed no optimizer; nothing is swapped")
+            self._core.rank_zero = state.is_world_process_zero
+            self._core.nothing_to_swap("the Trainer passed no optimizer")
             return
         inner = _inner(optimizer)
         swapped_before = is_swap_optimizer(inner) and not any(
@@ -175,12 +176,16 @@ class SwapOptimizerCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Record ``swap_stats``, then remove the swap this callback installed."""
+        """Record ``swap_stats``, then remove the swap made for this ``train()``: the one this
+        callback installed, or the one ``swapopt run``'s Accelerate patch made at
+        ``prepare()`` (the next ``train()`` prepares, and so swaps, again)."""
         if self._swapped:
             for stats in self._collect():
                 self._core._say("swapopt: %s", stats)
-        self._swapped = []
+        swapped, self._swapped = self._swapped, []
         self._core.remove()
+        for opt in swapped:
+            release(opt)
 
 
 class _EnvSwapOptimizerCallback(SwapOptimizerCallback):

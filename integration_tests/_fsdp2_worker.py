@@ -414,7 +414,11 @@ CASES: list[tuple[str, Callable[[DeviceMesh, int], dict]]] = [
 ]
 
 
-def main(out_dir: str) -> int:
+def main(
+    out_dir: str, cases: list[tuple[str, Callable[[DeviceMesh, int], dict]]] | None = None
+) -> int:
+    """Run ``cases`` (default: ``CASES``) on this rank, writing ``<out_dir>/rank<r>.json``."""
+    cases = CASES if cases is None else cases
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -432,7 +436,7 @@ def main(out_dir: str) -> int:
         mesh = init_device_mesh("cpu", (world,))
         results["init_s"] = round(time.perf_counter() - start, 3)
         flush()
-        for name, run in CASES:
+        for name, run in cases:
             t0 = time.perf_counter()
             try:
                 info = run(mesh, rank)

@@ -3,8 +3,11 @@
 Each rank (``_fsdp2_worker.py``) trains a sharded model with a plain optimizer and again
 with the optimizer swapped on the loopback runtime (packed and per-tensor, AdamW and Adam
 with amsgrad), and compares the local shards of every parameter and state entry. It also
-checkpoints mid-run and resumes into a fresh sharded model, swapped and plain. The ranks
-write their results as JSON; this test turns them into assertion messages.
+checkpoints mid-run and resumes into a fresh sharded model, swapped and plain. A second
+launch (``_fsdp2_dcp_worker.py``) checkpoints through ``torch.distributed.checkpoint``
+(``get_optimizer_state_dict``, ``dcp.save``, ``dcp.load``, ``set_optimizer_state_dict``) and
+resumes bit for bit against the plain run doing the same. The ranks write their results as
+JSON; this test turns them into assertion messages.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ except ImportError:  # pragma: no cover - torch without FSDP2
     )
 
 WORKER = Path(__file__).with_name("_fsdp2_worker.py")
+DCP_WORKER = Path(__file__).with_name("_fsdp2_dcp_worker.py")
 REPO = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
 TIMEOUT_S = 180
@@ -42,8 +46,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(out_dir: Path) -> list[subprocess.CompletedProcess | str]:
-    """Start every rank like torchrun would and wait for all of them."""
+def _launch(out_dir: Path, worker: Path = WORKER) -> list[int | str]:
+    """Start every rank of ``worker`` like torchrun would and wait for all of them."""
     port = _free_port()
     procs = []
     logs = []
@@ -63,7 +67,7 @@ def _launch(out_dir: Path) -> list[subprocess.CompletedProcess | str]:
         logs.append(log)
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), str(out_dir)],
+                [sys.executable, str(worker), str(out_dir)],
                 cwd=REPO,
                 env=env,
                 stdout=log,
@@ -87,10 +91,9 @@ def _launch(out_dir: Path) -> list[subprocess.CompletedProcess | str]:
     return codes
 
 
-@pytest.fixture(scope="module")
-def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("fsdp2_gloo")
-    codes = _launch(out_dir)
+def _results(out_dir: Path, worker: Path) -> list[dict]:
+    """Launch ``worker`` on every rank; each rank's results with its exit code and log."""
+    codes = _launch(out_dir, worker)
     results = []
     for rank, code in enumerate(codes):
         file = out_dir / f"rank{rank}.json"
@@ -104,7 +107,17 @@ def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return results
 
 
-def test_every_rank_finished(rank_results: list[dict]) -> None:
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _results(tmp_path_factory.mktemp("fsdp2_gloo"), WORKER)
+
+
+@pytest.fixture(scope="module")
+def dcp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _results(tmp_path_factory.mktemp("fsdp2_dcp"), DCP_WORKER)
+
+
+def _finished(rank_results: list[dict]) -> None:
     for result in rank_results:
         assert result.get("done") and result["exit"] == 0, (
             f"rank {result['rank']} exited with {result['exit']} after cases "
@@ -112,23 +125,42 @@ def test_every_rank_finished(rank_results: list[dict]) -> None:
         )
 
 
-def _case_names() -> list[str]:
+def test_every_rank_finished(rank_results: list[dict]) -> None:
+    _finished(rank_results)
+
+
+def test_every_dcp_rank_finished(dcp_results: list[dict]) -> None:
+    _finished(dcp_results)
+
+
+def _case_names(worker: Path) -> list[str]:
     # Read the worker's list without importing torch.distributed state into pytest.
-    sys.path.insert(0, str(REPO))
+    paths = [str(REPO), str(worker.parent)]  # the DCP worker imports _fsdp2_worker
+    sys.path[:0] = paths
     try:
         import importlib.util
 
-        spec = importlib.util.spec_from_file_location("_fsdp2_worker", WORKER)
+        spec = importlib.util.spec_from_file_location(worker.stem, worker)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return [name for name, _ in module.CASES]
     finally:
-        sys.path.remove(str(REPO))
+        for path in paths:
+            sys.path.remove(path)
 
 
-@pytest.mark.parametrize("case", _case_names())
+@pytest.mark.parametrize("case", _case_names(WORKER))
 def test_case(rank_results: list[dict], case: str) -> None:
+    _check_case(rank_results, case)
+
+
+@pytest.mark.parametrize("case", _case_names(DCP_WORKER))
+def test_dcp_case(dcp_results: list[dict], case: str) -> None:
+    _check_case(dcp_results, case)
+
+
+def _check_case(rank_results: list[dict], case: str) -> None:
     failures = []
     for result in rank_results:
         outcome = result["cases"].get(case)

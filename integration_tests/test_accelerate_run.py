@@ -127,6 +127,7 @@ def test_bad_setting_is_named_and_patches_nothing(monkeypatch: pytest.MonkeyPatc
 def test_release_takes_back_only_a_swap_prepare_made(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the Trainer callback calls at the end of train() under ``swapopt run``."""
     import gc
+    import weakref
 
     from swapopt_core import swap_optimizer, unswap_optimizer
     from swapopt_plugins import accelerate as swap_accelerate
@@ -145,15 +146,16 @@ def test_release_takes_back_only_a_swap_prepare_made(monkeypatch: pytest.MonkeyP
     swap_optimizer(mine, swap_accelerate.SwapOptimizerPlugin().swap_config())
     _, prepared = accelerator.prepare(model, mine)
     assert swap_accelerate.release(mine) is False and is_swap_optimizer(mine)
-    # The registry holds neither the optimizers nor the accelerator (unswapped by hand first:
-    # what keeps a dropped swapped optimizer alive is not this registry's concern).
+    # The registry keeps neither the optimizer nor the accelerator alive (unswapped by hand
+    # first: what keeps a dropped swapped optimizer alive is not this registry's concern).
     unswap_optimizer(optimizer.optimizer)
     unswap_optimizer(mine)
-    assert len(swap_accelerate._swapped_by) == 1
+    inner, state = weakref.ref(optimizer.optimizer), weakref.ref(accelerator._swapopt)
+    assert inner() in swap_accelerate._swapped_by
     del accelerator, optimizer, prepared, mine, model
     _reset()
     gc.collect()
-    assert len(swap_accelerate._swapped_by) == 0
+    assert inner() is None and state() is None
 
 
 def test_deepspeed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -283,7 +283,7 @@ def run(target: RunTarget) -> int:
             runpy.run_module(target.target, run_name="__main__", alter_sys=True)
         elif is_file:
             _run_file(target.target)
-        else:  # absolute, as Python makes it (only sys.argv[0] then differs: absolute too)
+        else:  # __file__ and sys.path[0] absolute as Python makes them (sys.argv[0] too)
             runpy.run_path(os.path.abspath(target.target), run_name="__main__")
         status = 0
     except SystemExit as exc:

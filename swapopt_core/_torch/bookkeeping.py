@@ -52,6 +52,7 @@ class StateBook:
     slots: dict[tuple[int, str], Slot]
     prefetch: BackwardPrefetch
     settle: Callable[[], None]  # EngineBase's
+    quiesce: Callable[[], None]  # EngineBase's
 
     def keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
         """The state keys swapped for parameters of ``group``: the adapter's, as configured."""
@@ -185,7 +186,8 @@ class StateBook:
         for key in stale:
             del self.slots[key]
         if isinstance(self.staging, PackedStaging):
-            self.staging.layout(ordered, self._publish)
+            # The old buffers must be final, a failed copy out written back into them.
+            self.staging.layout(ordered, self._publish, self.quiesce)
         return units
 
     def _init_state(

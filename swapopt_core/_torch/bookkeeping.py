@@ -133,7 +133,7 @@ class StateBook:
         """Take swappable entries that are not our host tensors into host memory now."""
         opt = self.optimizer
         self.prefetch.drop()  # the layout may change below
-        self.settle()
+        self.quiesce()  # host state final: a batch whose copy out failed is written back
         ours = {id(slot.value) for slot in self.slots.values()}  # alive: ids are unique
         moved = 0
         for group in opt.param_groups:

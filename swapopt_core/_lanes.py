@@ -210,6 +210,7 @@ class Lane:
                 if thread is not None:
                     self._queue.put(_STOP)  # after every job queued so far
         if thread is not None and thread is not threading.current_thread():
+            # What was queued must have run (and the thread left torch's kernels) before exit.
             thread.join()
         self._drained.set()
 

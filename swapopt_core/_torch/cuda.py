@@ -145,6 +145,7 @@ def _synchronize_all() -> None:
     """At exit: wait for the copies every live runtime still has queued."""
     for runtime in list(_LIVE):
         try:
+            # The last step's copies out write the host state: it is final once they land.
             runtime.synchronize()
         except Exception:  # a sticky CUDA error from earlier; nothing left to finish
             logger.warning("swapopt: waiting for the copy streams at exit failed", exc_info=True)

@@ -254,8 +254,13 @@ def swap_stats(optimizer: Any) -> SwapStats:
     """Memory and traffic of a swapped optimizer.
 
     Waits for the copies of the last step first, so that the host state (``optimizer.state``)
-    is final once this returns (but for batches an interrupted step kept on the device,
-    which ``resident_state_bytes`` counts): call it before reading swapped state directly.
+    is final once this returns (but for batches kept on the device, which
+    ``resident_state_bytes`` counts: those an interrupted step could not copy back, and
+    those whose copy out failed where it ran; ``state_dict()`` or the next step writes them
+    back). Call it before reading swapped state directly, and before writing it: no copy
+    then reads or writes the host tensors, and the next step updates from the state as it
+    is when the step starts, even if a prefetch during backward copied the old values in
+    (in-place edits with torch ops are seen by their version counters).
 
     Raises:
         ValueError: ``optimizer`` is not swapped.

@@ -115,28 +115,45 @@ class EngineBase(ABC):
         return sum(slot.nbytes for slot in self.slots.values())
 
     def settle(self) -> None:
-        """Write back what an interrupted step kept on the device; first thing on every entry.
+        """Write back what is kept on the device; first thing on every entry.
+
+        Kept are the batches an interrupted step updated but could not copy back, and those
+        of the last step whose copy out is known by now (without waiting) to have failed
+        where it ran.
 
         Raises:
             BaseException: The copy failed again; the batches stay kept.
         """
+        if self.previous is not None:
+            self.previous.reclaim(self.kept)
         if self.kept:
+            self.host_changing()
             write_back(self.kept, self.staging, self.runtime)
 
     def quiesce(self) -> None:
-        """Make host state final for a reader: write back kept batches, wait for the copies.
+        """Make host state final for a reader: wait for the copies, write back kept batches.
 
         Raises:
             BaseException: A kept batch could not be written back, or a copy failed.
         """
-        self.settle()
         self.wait_copies()
+        self.settle()
 
     def wait_copies(self) -> None:
-        """Block until every queued copy finished (batches kept on the device stay there)."""
+        """Block until every queued copy finished.
+
+        A batch whose copy out failed where it ran is kept on the device from now on (and
+        counted as resident) until ``settle`` writes it back.
+        """
         # The host copies are read (or rewritten) next: every copy into them must be done.
         self.runtime.synchronize()
+        if self.previous is not None:
+            self.previous.reclaim(self.kept)
         self.previous = None
+
+    def host_changing(self) -> None:  # noqa: B027
+        """Host state is about to be rewritten under the engine (a write back): a backend
+        drops what it read from it ahead of time."""
 
     @property
     def last_out(self) -> Any:

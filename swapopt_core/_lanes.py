@@ -15,11 +15,16 @@ runtime builds its lanes, see ``LaneSettings.from_env``):
 * ``SWAPOPT_LOOPBACK_JITTER_US``: every queued operation first sleeps a random 0..N
   microseconds, so the order in which lanes and the caller meet changes from run to run.
 
+At exit every lane runs what is queued and its thread ends (``close``), before the
+interpreter abandons daemon threads: a lane left inside a copy kernel then used to abort the
+process. A lane closed that way runs later operations on the calling thread.
+
 This module imports no tensor library: the operations are plain callables.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -98,6 +103,12 @@ class Ticket:
         """Whether the operation ran (successfully or not)."""
         return self._done.is_set()
 
+    @property
+    def error(self) -> BaseException | None:
+        """What the operation raised, once it ran; ``None`` while it has not, or if it
+        succeeded. An operation waiting for a failed ticket of another lane fails too."""
+        return self._error if self._done.is_set() else None
+
     def wait(self) -> None:
         """Block until the operation ran; raise what it raised, if anything.
 
@@ -133,7 +144,7 @@ class Lane:
     """One worker thread running queued operations in order: a copy stream on the CPU.
 
     The thread starts with the first operation and ends once the lane is garbage
-    collected (after running what was queued).
+    collected, or at exit (``close``), after running what was queued.
 
     Args:
         name: Shown in thread names and errors (``"h2d"``, ``"d2h"``).
@@ -146,6 +157,9 @@ class Lane:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closed = False
+        self._drained = threading.Event()  # set once a closed lane's thread has ended
+        self._rng = random.Random()  # jitter of operations run on the caller's thread
 
     def submit(
         self,
@@ -162,33 +176,81 @@ class Lane:
                 on another stream's event). A failure there fails this operation too.
 
         Returns:
-            The ticket of this operation.
+            The ticket of this operation (already done if the lane is closed: the
+            operation then ran on the calling thread, after everything queued before).
         """
         ticket = Ticket(self)
         waits = tuple(t for t in after if t is not None and t.lane is not self)
-        self._start()
-        self._queue.put((operation, waits, ticket))
+        job = (operation, waits, ticket)
+        with self._lock:  # a job is queued before the stop of a concurrent close, or not
+            if not self._closed:
+                self._start()
+                self._queue.put(job)
+                return ticket
+        # Closed at exit: what was queued before runs first, then this, here.
+        self._drained.wait()
+        _run(job, self.settings, self._rng)
         return ticket
 
     def marker(self) -> Ticket:
         """A ticket done once everything queued so far has run (a recorded event)."""
         return self.submit(_nothing)
 
+    def close(self) -> None:
+        """Run everything queued, end the thread; later operations run on the caller's thread.
+
+        Called for every lane at exit. Blocks until the queued operations ran.
+        """
+        with self._lock:
+            if self._closed:
+                thread = None
+            else:
+                self._closed = True
+                thread, self._thread = self._thread, None
+                if thread is not None:
+                    self._queue.put(_STOP)  # after every job queued so far
+        if thread is not None and thread is not threading.current_thread():
+            # What was queued must have run (and the thread left torch's kernels) before exit.
+            thread.join()
+        self._drained.set()
+
     def _start(self) -> None:
+        """Start the thread if it is not running (called with ``_lock`` held)."""
         if self._thread is not None:
             return
-        with self._lock:
-            if self._thread is None:
-                thread = threading.Thread(
-                    target=_work,
-                    args=(self._queue, self.settings),
-                    name=f"swapopt-{self.name}",
-                    daemon=True,
-                )
-                thread.start()
-                # The worker must not keep the lane alive; the lane stops it when collected.
-                weakref.finalize(self, self._queue.put, _STOP)
-                self._thread = thread
+        thread = threading.Thread(
+            target=_work,
+            args=(self._queue, self.settings),
+            name=f"swapopt-{self.name}",
+            daemon=True,
+        )
+        thread.start()
+        # The worker must not keep the lane alive; the lane stops it when collected. At
+        # exit ``_close_all`` stops it instead (and waits), so this one does not run then.
+        weakref.finalize(self, self._queue.put, _STOP).atexit = False
+        self._thread = thread
+        _LIVE.add(self)
+
+
+#: Lanes whose thread was started, held weakly: the exit hook keeps no lane alive.
+_LIVE: weakref.WeakSet[Lane] = weakref.WeakSet()
+
+
+def _close_all() -> None:
+    """At exit: run what every lane has queued and end its thread."""
+    for lane in list(_LIVE):
+        try:
+            lane.close()
+        except BaseException:  # one lane's failure must not keep the others running
+            logger.warning("swapopt: closing copy lane %s at exit failed", lane.name, exc_info=True)
+
+
+# ``atexit`` rather than ``threading._register_atexit``: atexit hooks run after the
+# interpreter has joined every non-daemon thread (so no training thread queues a copy
+# after the lanes were drained) and before it abandons daemon threads (a lane abandoned
+# inside a copy kernel aborts the process). Hooks registered after this import run first
+# and find the lanes working; any that run later find them closed and run copies inline.
+atexit.register(_close_all)
 
 
 def _nothing() -> None:
@@ -198,26 +260,30 @@ def _nothing() -> None:
 def _work(jobs: queue.SimpleQueue, settings: LaneSettings) -> None:
     """The lane's thread: run each job in order, pacing and jittering as configured."""
     rng = random.Random()
-    rate = None if settings.gbps is None else settings.gbps * 1e9
     while True:
         job = jobs.get()
         if job is _STOP:
             return
-        operation, waits, ticket = job
-        error: BaseException | None = None
-        try:
-            if settings.jitter_us:
-                time.sleep(rng.randint(0, settings.jitter_us) / 1e6)
-            for other in waits:
-                other.wait()
-            start = time.perf_counter()
-            nbytes = operation()
-            if rate is not None and nbytes:
-                left = nbytes / rate - (time.perf_counter() - start)
-                if left > 0:
-                    time.sleep(left)
-        except BaseException as exc:  # handed to whoever waits on the ticket
-            error = exc
-            logger.debug("operation on lane %s failed", threading.current_thread().name)
-        ticket._finish(error)
-        del job, operation, waits, ticket
+        _run(job, settings, rng)
+        del job
+
+
+def _run(job: tuple, settings: LaneSettings, rng: random.Random) -> None:
+    """Run one queued operation after the tickets it waits for; finish its ticket."""
+    operation, waits, ticket = job
+    error: BaseException | None = None
+    try:
+        if settings.jitter_us:
+            time.sleep(rng.randint(0, settings.jitter_us) / 1e6)
+        for other in waits:
+            other.wait()
+        start = time.perf_counter()
+        nbytes = operation()
+        if settings.gbps is not None and nbytes:
+            left = nbytes / (settings.gbps * 1e9) - (time.perf_counter() - start)
+            if left > 0:
+                time.sleep(left)
+    except BaseException as exc:  # handed to whoever waits on the ticket
+        error = exc
+        logger.debug("operation on lane %s failed", ticket.lane.name)
+    ticket._finish(error)

@@ -14,21 +14,26 @@ after the copies that use it, never by blocking the host.
 
 The step ends once its copies are queued: no host sync. The next step's pipeline is given
 this one (``previous``): each copy in waits for the copy out that last wrote the host memory
-it reads (the same batch of the previous step when the batches are unchanged, else the
-previous step's last copy out), and whoever reads host state waits for ``last_out`` on the
-host.
+it reads (the same batch of the previous step when the batches are unchanged, else every
+copy out of the previous step), and whoever reads host state waits on the host.
 
 A step is a transaction per batch. The engine's ``update`` either finishes or leaves its
 batch as it found it (it keeps an undo copy of what it changes in place). A batch whose
-update finished counts as done once its copy out is queued; if that copy fails, it is
-tried once more, and if that fails too, the batch's device storage is kept (``kept``)
-until ``write_back`` succeeds. A SIGINT that arrives during a step is delivered when the
-step ends (``deferred_interrupt``), so no asynchronous ``KeyboardInterrupt`` splits the
-bookkeeping; a second one is delivered at once.
+update finished counts as done once its copy out is queued; if that copy fails in the
+call, it is tried once more, and if that fails too, the batch's device storage is kept
+(``kept``) until ``write_back`` succeeds. A copy out can also fail where it runs, after the
+call returned (a runtime's ``failure``): a batch's device memory is given up only once its
+copy out landed, so the runtime keeps the memory released after a failed copy, the
+pipeline remembers each batch that left (``reclaim`` turns the failed ones into ``kept``),
+and a copy in that reads host memory such a copy should have written fails with it. A
+SIGINT that arrives during a step is delivered when the step ends (``deferred_interrupt``),
+so no asynchronous ``KeyboardInterrupt`` splits the bookkeeping; a second one is delivered
+at once.
 
 The first batches of a step can be staged and copied in before the step (``Pipeline.start``,
 during backward); the step then continues the same ``Pipeline`` if its batches are the
-ones predicted, and otherwise ``abandon``s it.
+ones predicted (copying again a batch whose host memory changed since, ``refetch``), and
+otherwise ``abandon``s it.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class Staging(Protocol):
     def begin(self, batches: Sequence[Sequence[Any]]) -> None: ...
     def stage(self, index: int, slots: Sequence[Any]) -> StagedBatch: ...
     def keep(self, staged: Any) -> None: ...
+    # Only for runtimes that report ``failure``: a batch released after its copy out failed.
+    def reclaim(self, staged: Any) -> None: ...
     def unstage(self, staged: Any, after: Any = None) -> None: ...
     def end(self) -> None: ...
 
@@ -152,11 +159,17 @@ class Pipeline:
         self.staging = staging
         self.runtime = runtime
         n = len(self.batches)
+        # The copies out that wrote the host memory each batch reads. Any of them may fail
+        # where it runs, so an unchanged batch waits for its own and any other for all
+        # (not just the last: a failed one must fail the copy in that reads its memory).
+        self.host_ready: list[tuple[Any, ...]]
         if previous is not None and previous.matches(self.batches):
-            self.host_ready = list(previous.tickets)  # batch j was written by its copy out
+            self.host_ready = [(ticket,) for ticket in previous.tickets]
         else:
-            self.host_ready = [None if previous is None else previous.last_out] * n
+            self.host_ready = [() if previous is None else tuple(previous.tickets)] * n
         self.staged: list[StagedBatch | None] = [None] * n
+        # Batches whose copy out is queued and whose memory was released after it.
+        self.left: list[StagedBatch | None] = [None] * n
         self.tickets: list[Any] = [None] * n  # copy in, then copy out, of each batch
         self.began = False
         self.h2d = self.d2h = 0
@@ -205,16 +218,55 @@ class Pipeline:
         if self.staged[j] is not None:
             return
         self.staged[j] = batch = self.staging.stage(j, self.batches[j])
+        self._copy_in(j, batch)
+
+    def _copy_in(self, j: int, batch: StagedBatch) -> None:
         # Written only after the copy that used this memory before, and after the host
         # memory it reads was written by the previous step.
-        self.tickets[j] = self.runtime.copy_in(batch.pairs, (batch.reuse_after, self.host_ready[j]))
+        self.tickets[j] = self.runtime.copy_in(
+            batch.pairs, (batch.reuse_after, *self.host_ready[j])
+        )
         self.h2d += batch.copy_bytes
+
+    def refetch(self, j: int) -> None:
+        """Copy staged batch ``j`` in again: its host memory changed since its copy in was
+        queued, or that copy failed. Queued behind the first on the same copy queue."""
+        batch = self.staged[j]
+        assert batch is not None
+        self._copy_in(j, batch)
 
     def _leave(self, j: int) -> None:
         batch = self.staged[j]
         if batch is not None:
             self.staged[j] = None
             self.staging.unstage(batch, self.tickets[j])
+            self.left[j] = batch  # until its copy out is known to have landed
+
+    def reclaim(self, kept: list[Any]) -> None:
+        """Move the batches whose copy out failed where it ran into ``kept``.
+
+        Their memory was released after that copy, so the runtime kept it: it holds the
+        only copy of their update until ``write_back``. Only failures the runtime knows of
+        are found (this does not block): after ``synchronize``, all of them.
+        """
+        for j, batch in enumerate(self.left):
+            error = None if batch is None else self.runtime.failure(self.tickets[j])
+            if error is None:
+                continue
+            logger.warning(
+                "swapopt: the copy of batch %d of %d to host memory failed where it ran; "
+                "its update stays on the device until it is written back",
+                j + 1,
+                len(self.left),
+                exc_info=error,
+            )
+            self.left[j] = None
+            self.staging.reclaim(batch)
+            kept.append(batch)
+            # The host memory is rewritten by the write back, which the host waits for.
+            if self.last_out is self.tickets[j]:
+                self.last_out = None
+            self.tickets[j] = None
 
     def run(self, update: Callable[[int, dict[Any, Any]], None], kept: list[Any]) -> None:
         """Run ``update`` over every batch with its state on the device.
@@ -276,6 +328,9 @@ class Pipeline:
             )
         # Nothing may still be reading device storage released below.
         _quietly(self.runtime.synchronize, "draining the copy queues")
+        # Before the leftovers go: a batch that reused the arena of one whose copy out
+        # failed must not give that arena back.
+        self.reclaim(kept)
         self.last_out = None
         for index, leftover in enumerate(self.staged):
             if leftover is not None:

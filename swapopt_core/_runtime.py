@@ -26,6 +26,12 @@ class TransferRuntime(ABC):
     and the allocator before it hands out memory a copy still uses
     (``release_device(after=...)``). A synchronous runtime returns ``None`` tickets.
 
+    A copy that fails where it runs, after its call returned, is reported by ``failure``
+    once it ran; memory released after it is then not reused, because the device copy of a
+    batch whose copy out failed is the only copy of its update. A runtime whose copies
+    cannot fail one by one (on CUDA an asynchronous error poisons the whole context) keeps
+    the default, which reports nothing.
+
     Attributes:
         pinned_bytes: Host bytes this runtime holds page-locked (or, for runtimes without
             page locking, the bytes it set aside as the host tier).
@@ -72,7 +78,8 @@ class TransferRuntime(ABC):
         Args:
             tensor: A tensor from ``alloc_device``.
             after: Tickets of copies still using the storage: the memory is reused only
-                once they finished (stream-ordered), without blocking the host.
+                once they finished (stream-ordered), without blocking the host. If one of
+                them failed (``failure``), the memory is not reused: ``tensor`` keeps it.
         """
 
     @abstractmethod
@@ -91,6 +98,14 @@ class TransferRuntime(ABC):
     @abstractmethod
     def wait(self, ticket: Any) -> None:
         """Make the compute queue wait for ``ticket`` (without blocking the host if possible)."""
+
+    def failure(self, ticket: Any) -> BaseException | None:
+        """What the copies of ``ticket`` raised, if they ran and failed; without blocking.
+
+        ``None`` while they run, once they succeeded, and always on runtimes that raise
+        copy errors where the copy is queued or waited for instead.
+        """
+        return None
 
     def host_wait(self, ticket: Any) -> None:
         """Block the host until the copies of ``ticket`` finished (all copies if unsure)."""

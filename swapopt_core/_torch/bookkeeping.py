@@ -52,6 +52,7 @@ class StateBook:
     slots: dict[tuple[int, str], Slot]
     prefetch: BackwardPrefetch
     settle: Callable[[], None]  # EngineBase's
+    quiesce: Callable[[], None]  # EngineBase's
 
     def keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
         """The state keys swapped for parameters of ``group``: the adapter's, as configured."""
@@ -132,7 +133,7 @@ class StateBook:
         """Take swappable entries that are not our host tensors into host memory now."""
         opt = self.optimizer
         self.prefetch.drop()  # the layout may change below
-        self.settle()
+        self.quiesce()  # host state final: a batch whose copy out failed is written back
         ours = {id(slot.value) for slot in self.slots.values()}  # alive: ids are unique
         moved = 0
         for group in opt.param_groups:
@@ -185,7 +186,8 @@ class StateBook:
         for key in stale:
             del self.slots[key]
         if isinstance(self.staging, PackedStaging):
-            self.staging.layout(ordered, self._publish)
+            # The old buffers must be final, a failed copy out written back into them.
+            self.staging.layout(ordered, self._publish, self.quiesce)
         return units
 
     def _init_state(

@@ -7,11 +7,20 @@ release passes the copy streams still using the memory to the allocator
 (``record_stream``), which reuses it only after those copies finished: no host sync and no
 compute wait. Copies in and out run on separate streams, so batch i+1 comes in while
 batch i-1 goes out (full duplex).
+
+A step ends with its copies out still queued; at normal exit every live runtime waits for
+its copy streams, so the host state is final once the process ends.
+
+A copy that fails on its stream is an asynchronous CUDA error: it is sticky (the context is
+unusable from then on) and surfaces at the next synchronizing call, without telling which
+copy failed. There is nothing to recover in-process, so ``failure`` reports nothing here.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +45,7 @@ class CudaRuntime(TransferRuntime):
         super().__init__()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._register_failed = False
+        _LIVE.add(self)
 
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cuda"
@@ -125,3 +135,22 @@ class CudaRuntime(TransferRuntime):
         for stream in self._streams.values():
             # The host reads or rewrites the host copies next, so every copy must be done.
             stream.synchronize()
+
+
+#: Runtimes that may have copies queued, held weakly: the exit hook keeps none alive.
+_LIVE: weakref.WeakSet[CudaRuntime] = weakref.WeakSet()
+
+
+def _synchronize_all() -> None:
+    """At exit: wait for the copies every live runtime still has queued."""
+    for runtime in list(_LIVE):
+        try:
+            # The last step's copies out write the host state: it is final once they land.
+            runtime.synchronize()
+        except Exception:  # a sticky CUDA error from earlier; nothing left to finish
+            logger.warning("swapopt: waiting for the copy streams at exit failed", exc_info=True)
+
+
+# An atexit hook runs before the interpreter and torch tear CUDA down, so the streams are
+# still valid; a step's last copies out land before the process ends.
+atexit.register(_synchronize_all)

@@ -173,7 +173,7 @@ class SwapEngine(StateBook, EngineBase):
                 pipeline.run(update, self.kept)
             except BaseException:
                 self._finished.update(done)
-                self.previous = None  # drained by the recovery
+                self._drain_after_failure()
                 raise
             h2d, d2h = pipeline.h2d, pipeline.d2h
             # The step ends with its copies queued; the next one's copies in wait for these.
@@ -186,6 +186,18 @@ class SwapEngine(StateBook, EngineBase):
         self._finished.update(done)
         self.finish_step(h2d, d2h, len(batches), resumed=resumed)
         self._finished.clear()
+
+    def _drain_after_failure(self) -> None:
+        """Learn which copies out of the last step failed (their batches join ``kept``)."""
+        try:
+            # The recovery drained the queues: this only collects what they reported.
+            self.wait_copies()
+        except BaseException:  # the next entry tries again; the step's own error propagates
+            logger.warning("swapopt: draining the copies after a failed step failed", exc_info=True)
+
+    def host_changing(self) -> None:
+        # A prefetch read the host state a write back is about to replace.
+        self.prefetch.drop()
 
     def _already_done(self, unit: Unit) -> bool:
         record = self._finished.get(id(unit.param))

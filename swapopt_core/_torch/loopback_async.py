@@ -11,10 +11,15 @@ block back from reuse until the copy that used it finished.
 Every wait the CUDA runtime needs is needed here too: one left out lets a copy read or
 write memory that is in use, which the equivalence suites see as wrong bits (especially
 with ``SWAPOPT_LOOPBACK_JITTER_US`` set).
+
+Unlike CUDA, a copy here can fail on its own, on its lane: its ticket then reports the
+error (``failure``), and a release ordered after it keeps the memory (the device copy of a
+batch whose copy out failed is the only one left; the engine writes it back later).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,14 +29,21 @@ from swapopt_core._lanes import Lane, LaneSettings, Ticket, wait_all
 from swapopt_core._runtime import CopyPair
 from swapopt_core._torch.loopback import LoopbackRuntime
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["LoopbackAsyncRuntime", "copy_pairs"]
 
 
 def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Copy each ``(destination, source)`` pair; return the bytes moved (for pacing)."""
+    """Copy each ``(destination, source)`` pair; return the bytes moved (for pacing).
+
+    Written through ``.data``, which shares the memory but not the version counter: the
+    prefetch tells the user's in-place edits of host state by that counter, and a copy that
+    lands late on a lane is the engine's, not an edit (on CUDA ``copy_`` counts when queued).
+    """
     moved = 0
     for dst, src in pairs:
-        dst.copy_(src)
+        dst.data.copy_(src)
         moved += dst.numel() * dst.element_size()
     return moved
 
@@ -64,13 +76,25 @@ class LoopbackAsyncRuntime(LoopbackRuntime):
         return self.d2h.submit(lambda: copy_pairs(moves))
 
     def release_device(self, tensor: torch.Tensor, after: Sequence[Any] = ()) -> None:
-        busy = [ticket for ticket in after if ticket is not None and not ticket.done()]
+        tickets = [ticket for ticket in after if ticket is not None]
+        busy = [ticket for ticket in tickets if not ticket.done()]
         if not busy:
-            self._recycle(tensor)
+            self._recycle_unless_failed(tensor, tickets)
             return
         # Freed on the lane of the copy still using it, once that copy (and the other
-        # busy ones) ran: the memory goes back only when no copy touches it.
-        busy[0].lane.submit(lambda: self._recycle(tensor), after=busy[1:])
+        # busy ones) ran: the memory goes back only when no copy touches it. If one of
+        # the others failed, the lane fails this operation too and keeps the memory.
+        busy[0].lane.submit(lambda: self._recycle_unless_failed(tensor, tickets), after=busy[1:])
+
+    def _recycle_unless_failed(self, tensor: torch.Tensor, tickets: list[Ticket]) -> None:
+        """Recycle ``tensor`` unless a copy that used it failed: then it keeps its memory."""
+        if any(ticket.error is not None for ticket in tickets):
+            logger.debug("a copy failed: its device memory is kept, not recycled")
+            return
+        self._recycle(tensor)
+
+    def failure(self, ticket: Ticket | None) -> BaseException | None:
+        return None if ticket is None else ticket.error
 
     def wait(self, ticket: Ticket | None) -> None:
         if ticket is not None:

@@ -7,6 +7,16 @@ last step's plan are staged and their copies in queued. The step then continues 
 ``Pipeline`` if its batches are the same slots over the same host memory, and otherwise
 gives it back (``abandon``) and starts afresh.
 
+Host state edited between the prefetch and the step (``opt.state[p]["exp_avg"].zero_()``
+after ``swap_stats``) is what the step updates from: the version counters of each
+prefetched slot's host tensor and state entry (a DTensor over it under FSDP2 counts its
+in-place edits on itself) are noted when the copies are queued, and ``take`` copies again
+each batch whose counters moved, or whose copy in is known to have failed.
+
+The hooks live on the parameters, which outlive a dropped optimizer: they hold this object
+(and so the engine, its copy threads and host state) only weakly, and are removed once it
+is collected.
+
 Memory: from the first gradient of a backward until the step, ``AHEAD`` batches of state
 (``AHEAD / swap_times`` of it, packed: two arenas) are on the device on top of what
 backward uses; the step itself never holds more than three batches. Set
@@ -16,7 +26,8 @@ backward uses; the step itself never holds more than three batches. Set
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +46,32 @@ __all__ = ["AHEAD", "BackwardPrefetch"]
 #: Batches copied in ahead of a step: the ring holds three, one stays free for the step.
 AHEAD = 2
 
+#: What tells an in-place edit of a slot: the version counters of its host tensor and of
+#: its state entry (the same tensor, or a DTensor over it).
+Stamp = tuple[int, int]
+
+
+def _stamp_of(batch: Sequence[Slot]) -> list[Stamp]:
+    return [(slot.host._version, slot.value._version) for slot in batch]
+
+
+def _weak_hook(prefetch: BackwardPrefetch) -> Callable[[torch.Tensor], None]:
+    """A gradient hook that calls ``prefetch`` while it lives and keeps it from nothing."""
+    target = weakref.ref(prefetch)
+
+    def on_grad(param: torch.Tensor) -> None:
+        live = target()
+        if live is not None:
+            live._on_grad(param)
+
+    return on_grad
+
+
+def _remove(handles: dict[int, Any]) -> None:
+    for handle in handles.values():
+        handle.remove()
+    handles.clear()
+
 
 class BackwardPrefetch:
     """The hooks and the pipeline one ``SwapEngine`` starts during backward."""
@@ -44,7 +81,11 @@ class BackwardPrefetch:
         self.plan: list[list[Slot]] | None = None  #: the last step's batches
         self.pipeline: Pipeline | None = None
         self._hosts: list[torch.Tensor] = []  # the host memory the prefetch reads
+        self._stamps: list[list[Stamp]] = []  # per prefetched batch, when it was queued
         self._handles: dict[int, Any] = {}
+        self._hook = _weak_hook(self)
+        # Not at exit: the parameters' hooks die with the process anyway.
+        weakref.finalize(self, _remove, self._handles).atexit = False
         self._tried = False  # a prefetch was tried since the last step
         self._failed = False
 
@@ -52,7 +93,7 @@ class BackwardPrefetch:
         """Hook the parameters not hooked yet (new groups are watched at their first step)."""
         for param in params:
             if id(param) not in self._handles and param.requires_grad:
-                self._handles[id(param)] = param.register_post_accumulate_grad_hook(self._on_grad)
+                self._handles[id(param)] = param.register_post_accumulate_grad_hook(self._hook)
 
     def remember(self, batches: list[list[Slot]]) -> None:
         """The plan the next step is expected to follow."""
@@ -80,11 +121,20 @@ class BackwardPrefetch:
             self._failed = True
             return
         self._hosts = [slot.host for batch in self.plan[:AHEAD] for slot in batch]
+        self._stamps = [_stamp_of(batch) for batch in self.plan[:AHEAD]]
         self.pipeline = pipeline
 
     def take(self, batches: list[list[Slot]]) -> Pipeline | None:
-        """The prefetched pipeline if it was built for ``batches``; else give it back."""
+        """The prefetched pipeline if it was built for ``batches``; else give it back.
+
+        A prefetched batch whose host state was edited since its copy in was queued, or
+        whose copy in is known to have failed, is copied in again.
+
+        Raises:
+            BaseException: Queuing a copy again failed; the prefetch was given back.
+        """
         pipeline, self.pipeline = self.pipeline, None
+        stamps, self._stamps = self._stamps, []
         if pipeline is None:
             return None
         hosts = [slot.host for batch in batches[:AHEAD] for slot in batch]
@@ -92,21 +142,33 @@ class BackwardPrefetch:
             a is b for a, b in zip(hosts, self._hosts, strict=True)
         )
         self._hosts = []
-        if same_memory and pipeline.matches(batches):
-            return pipeline
-        pipeline.abandon()
-        return None
+        if not (same_memory and pipeline.matches(batches)):
+            pipeline.abandon()
+            return None
+        runtime = self.engine.runtime
+        try:
+            for j, noted in enumerate(stamps):
+                failed = runtime.failure(pipeline.tickets[j]) is not None
+                if failed or noted != _stamp_of(batches[j]):
+                    logger.debug(
+                        "prefetched batch %d %s: copied in again",
+                        j,
+                        "failed" if failed else "edited",
+                    )
+                    pipeline.refetch(j)
+        except BaseException:
+            pipeline.abandon()
+            raise
+        return pipeline
 
     def drop(self) -> None:
         """Give back a prefetch (host state is about to change, or the swap is removed)."""
-        pipeline, self.pipeline, self._hosts = self.pipeline, None, []
+        pipeline, self.pipeline, self._hosts, self._stamps = self.pipeline, None, [], []
         if pipeline is not None:
             pipeline.abandon()
 
     def detach(self) -> None:
         """Remove the hooks and drop the prefetch."""
         self.drop()
-        for handle in self._handles.values():
-            handle.remove()
-        self._handles.clear()
+        _remove(self._handles)
         self.plan = None

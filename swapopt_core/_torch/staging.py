@@ -43,7 +43,8 @@ class Staged:
 
     views: dict[Slot, torch.Tensor] = field(default_factory=dict)
     pairs: list[CopyPair] = field(default_factory=list)
-    owned: list[torch.Tensor] = field(default_factory=list)
+    owned: list[torch.Tensor] = field(default_factory=list)  #: to release when it leaves
+    memory: list[torch.Tensor] = field(default_factory=list)  #: what the views live in
     arena: int | None = None  #: packed: which of the arenas holds the batch
     reuse_after: Any = None  #: ticket of the last copy that used the arena before
 
@@ -97,6 +98,7 @@ class PerTensorStaging:
                 flat = self.runtime.alloc_device(slot.host.numel(), slot.host.dtype, slot.device)
                 self.ledger.add(slot.nbytes)
                 staged.owned.append(flat)
+                staged.memory.append(flat)
                 view = flat.view(slot.host.shape)
                 staged.views[slot] = view
                 staged.pairs.append((view, slot.host))
@@ -107,6 +109,12 @@ class PerTensorStaging:
 
     def keep(self, staged: Staged) -> None:
         return None  # each batch owns its storage already
+
+    def reclaim(self, staged: Staged) -> None:
+        """``staged`` left, but its copy out failed, so the runtime kept its memory: the
+        batch owns it again (and it counts as resident) until it is written back."""
+        staged.owned = list(staged.memory)
+        self.ledger.add(sum(flat.numel() * flat.element_size() for flat in staged.memory))
 
     def unstage(self, staged: Staged, after: Any = None) -> None:
         release_all(staged.owned, self.runtime, self.ledger, after)
@@ -136,8 +144,18 @@ class PackedStaging:
 
     # ---- host layout ---------------------------------------------------------------------
 
-    def layout(self, slots: Sequence[Slot], publish: Callable[[Slot], None]) -> bool:
+    def layout(
+        self,
+        slots: Sequence[Slot],
+        publish: Callable[[Slot], None],
+        drain: Callable[[], None] | None = None,
+    ) -> bool:
         """Pack ``slots`` (in layout order) into one host buffer per dtype if they changed.
+
+        Args:
+            drain: Makes the old buffers final before they are copied (default: the
+                runtime's ``synchronize``); the engine also writes back into them a batch
+                whose copy out failed.
 
         Returns:
             Whether the layout was rebuilt.
@@ -147,7 +165,7 @@ class PackedStaging:
             return False
         # The old buffers are read below: the last step's copies out may still be writing
         # them, and a prefetch reading them.
-        self.runtime.synchronize()
+        (drain or self.runtime.synchronize)()
         signature, totals = plan
         buffers = {dtype: self.runtime.alloc_host(n, dtype) for dtype, n in totals.items()}
         cursor = dict.fromkeys(totals, 0)
@@ -223,6 +241,7 @@ class PackedStaging:
         if staged.pairs:
             staged.arena = index % ARENAS
             staged.reuse_after = self._last[staged.arena]
+            staged.memory = [self._arena(staged.arena)]
         return staged
 
     def keep(self, staged: Staged) -> None:
@@ -233,6 +252,19 @@ class PackedStaging:
                 self._kept.add(staged.arena)
                 staged.owned.append(arena)
         staged.arena = None  # no longer one of the ring's: it leaves with the batch
+
+    def reclaim(self, staged: Staged) -> None:
+        """``staged`` left, but its copy out failed: the runtime kept its arena (the only copy
+        of the update). The batch owns the arena again until it is written back."""
+        k = staged.arena
+        ring = self._arenas[k] if k is not None and k < len(self._arenas) else None
+        if ring is not None and staged.memory and ring is staged.memory[0]:
+            self.keep(staged)  # still one of this step's ring: ``end`` must leave it
+            return
+        # ``end`` released it, after the failed copy: kept by the runtime, no longer counted.
+        staged.arena = None
+        staged.owned.extend(staged.memory)
+        self.ledger.add(sum(arena.numel() for arena in staged.memory))
 
     def unstage(self, staged: Staged, after: Any = None) -> None:
         """The batch left its arena; the next batch there writes it only after ``after``."""

@@ -98,12 +98,19 @@ class Tracked:
     alive: bool = True
     host: torch.Tensor | None = None
     host_valid: bool = False  # the host copy equals the device bytes
+    capacity: int = 0  # bytes of the host buffer to take: the plan's size when larger
     d2h: Any = None  # ticket of a copy out still reading the storage
     h2d: Any = None  # ticket of a copy in still writing it
     recipe: Any = None  # how to regenerate it without a host copy (replay.Recipe)
 
     def storage(self) -> torch.UntypedStorage | None:
         return self.ref()
+
+    def host_bytes(self) -> torch.Tensor:
+        """The part of the host buffer that holds this storage's bytes (all of it, unless
+        the buffer was taken at the plan's larger size)."""
+        host = self.host
+        return host if host.numel() == self.nbytes else host[: self.nbytes]
 
 
 class Residency:
@@ -136,10 +143,17 @@ class Residency:
         self._add(entry.nbytes)
         return entry
 
-    def track_sid(self, storage: torch.UntypedStorage, sid: int, op: int) -> Tracked:
+    def track_sid(
+        self, storage: torch.UntypedStorage, sid: int, op: int, capacity: int = 0
+    ) -> Tracked:
         """``track`` for a replay, which knows its storages by id only: no lookup by storage,
-        and a plain weak reference reports the death (cheaper than ``weakref.finalize``)."""
-        entry = Tracked(sid, storage.nbytes(), op, None)  # type: ignore[arg-type]
+        and a plain weak reference reports the death (cheaper than ``weakref.finalize``).
+
+        ``capacity``: the storage's size in the plan. A storage smaller than planned (a
+        shorter sequence) takes host buffers of the planned size, so the pool hands out
+        the same buffers whatever the step's sizes.
+        """
+        entry = Tracked(sid, storage.nbytes(), op, None, capacity=capacity)  # type: ignore[arg-type]
         died = self._died
         entry.ref = weakref.ref(storage, lambda _ref: died(entry))
         self.by_sid[sid] = entry
@@ -190,7 +204,7 @@ class Residency:
             return True
         if entry.host is None:
             try:
-                entry.host = self.pool.acquire(entry.nbytes)
+                entry.host = self.pool.acquire(max(entry.nbytes, entry.capacity))
             except MemoryError:
                 if not self.pool.exhausted:  # once per session: it repeats every step
                     logger.warning(
@@ -202,7 +216,7 @@ class Residency:
             if entry.host is None:
                 self.host_cap_refusals += 1
                 return False
-        entry.d2h = self.runtime.copy_out(storage, entry.host)
+        entry.d2h = self.runtime.copy_out(storage, entry.host_bytes())
         entry.host_valid = True
         self.d2h_bytes += entry.nbytes
         return True
@@ -236,7 +250,7 @@ class Residency:
             self.recompute(entry)
             return
         storage.resize_(entry.nbytes)
-        ticket = self.runtime.copy_in(storage, entry.host)
+        ticket = self.runtime.copy_in(storage, entry.host_bytes())
         # Marked resident only once the copy is issued: a failure before leaves it released.
         entry.h2d, entry.resident = ticket, True
         self.pending_in.add(entry.sid)

@@ -245,6 +245,12 @@ class Entry(Handover, ReplayPath):
             self.next_sid += 1
             opened.accesses[entry.sid] = AccessKind.WRITE
             opened.outputs[entry.sid] = position
+        if self.recording and opened.start is None:
+            # A region the replay opened, closed after a fall-back: its inputs went unseen.
+            logger.info(
+                "activation fall-back: %s began in the replay; nothing is recorded", opened.name
+            )
+            self.recording = False
         if self.recording:
             accesses = tuple(
                 Access(sid, kind, opened.outputs.get(sid)) for sid, kind in opened.accesses.items()

@@ -235,6 +235,7 @@ class Executor:
         if plan.misses < 2:
             return Verdict.MISSED
         self.book.drop(plan)
+        self._trim_pool()
         return Verdict.DROPPED
 
     def _plan(self, entry: Entry) -> Plan:
@@ -257,6 +258,7 @@ class Executor:
         schedule = _without(self.planner.plan(trace), pinned)
         plan = Plan(trace, schedule, pinned)
         self.book.add(plan)
+        self._trim_pool()
         leaves = entry.gradients.leaves()
         if leaves:
             self.leaves = leaves
@@ -277,11 +279,19 @@ class Executor:
         plan.resize(trace, _without(self.planner.plan(trace), pinned))
         plan.pinned = frozenset(pinned)
         self.counts["replans"] += 1
+        self._trim_pool()
         logger.info(
             "activation plan made again for %d larger storages: %d actions",
             len(entry.grown),
             len(plan.schedule),
         )
+
+    def _trim_pool(self) -> None:
+        """Free the idle host buffers of sizes no kept plan takes any more."""
+        if self.pool is not None:
+            self.pool.keep_only(
+                {s for plan in self.book.plans for s in plan.trace.storage_sizes.values()}
+            )
 
     # ---- the runtime ---------------------------------------------------------------------
 

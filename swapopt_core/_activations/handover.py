@@ -134,14 +134,16 @@ class Handover:
             self.unseen = plan.held_bytes(count, self.residency.by_sid)
 
     def _regenerate_now(self, entry: Tracked, index: int) -> None:
-        """Bring back ``entry`` if only its recipe holds its bytes, making room first."""
+        """Bring back ``entry`` if only its recipe holds its bytes, making room first for it
+        and for the inputs its recompute pages in (or recomputes)."""
         if entry.resident or entry.host_valid:
             return
+        needed: dict[int, int] = {}
+        _away_for(entry, needed)
         if self.replaying:
-            self._hold_peak(index, entry.nbytes)
+            self._hold_peak(index, sum(needed.values()))
         else:
-            inputs = {source.sid for source in entry.recipe.inputs}
-            self._evict(protected={entry.sid, *inputs}, room=entry.nbytes)
+            self._evict(protected=set(needed), room=sum(needed.values()))
         self.residency.ready(entry)  # recomputes it (the recipe's inputs paged in first)
 
     def _fall_back(self, why: str, *, seed: bool) -> None:
@@ -184,3 +186,14 @@ class Handover:
                 self.unseen,
             )
         self._evict(protected=set())
+
+
+def _away_for(entry: Tracked, needed: dict[int, int]) -> None:
+    """Add to ``needed`` the bytes that bringing ``entry`` back allocates: its own, and,
+    when it is recomputed, those of its recipe's inputs that are away (recursively)."""
+    if entry.sid in needed or not entry.alive or entry.resident:
+        return
+    needed[entry.sid] = entry.nbytes
+    if not entry.host_valid and entry.recipe is not None:
+        for source in entry.recipe.inputs:
+            _away_for(source, needed)

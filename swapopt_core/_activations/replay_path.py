@@ -89,7 +89,9 @@ class ReplayPath:
     def _replay_pre(self, index: int, predicted: int = 0) -> None:
         tables, residency = self.tables, self.residency
         actions = tables.pre[index]
-        made = max(tables.made[index], predicted)
+        made = tables.made[index]
+        if predicted > made:
+            made = predicted
         if actions:
             room = (self._live_net(actions) if self.grown else tables.pre_net[index]) + made
             if residency.resident_bytes + room > self.limit:

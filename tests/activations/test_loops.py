@@ -137,6 +137,18 @@ def test_dynamic_padding_replays_within_the_budget(runtime_name: str) -> None:
     assert stats.plans_kept == 1
 
 
+def test_shorter_steps_reuse_the_host_buffers_of_the_plan(runtime_name: str) -> None:
+    budget = 0.35 * natural_peak()
+    session = _session(budget, runtime_name)
+    _padded(session, [72, 72])  # the warmup, then a replay at the plan's sizes
+    pool = session._executor.pool
+    held = pool.allocated
+    assert held > 0
+    replayed, _ = _padded(session, [64, 30, 56, 72, 48])
+    assert all(replayed) and session.stats().replans == 0
+    assert pool.allocated == held  # no host allocation in a step at most the plan's size
+
+
 def test_a_larger_step_under_an_empty_plan_keeps_the_budget(runtime_name: str) -> None:
     budget = 1.2 * natural_peak(32)  # the short steps fit: their plan is empty
     session = _session(budget, runtime_name)

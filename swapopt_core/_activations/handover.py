@@ -163,6 +163,8 @@ class Handover:
             self.seed_pinned = plan.pinned & made
             if count == 0:
                 self.next_sid = 1  # a trace from scratch
+                # Nothing ran: the plan's peak that stood for an unregistered replay goes.
+                self.residency.peak_bytes = self.residency.resident_bytes
             self.gradients.watch_all(self.executor.leaves)
         elif seed:
             for followed in self.followed:  # next time they see every storage, and record

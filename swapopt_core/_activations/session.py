@@ -97,8 +97,11 @@ class OffloadSession:
     to host memory and paging them back when needed. On exit the planner turns the trace
     into a schedule. Later entries **replay** the schedule: copies out start right after
     each activation's last write and copies back start just early enough, on a stream per
-    direction. A step whose ops differ from the trace falls back without a plan; the
-    session's ``Executor`` decides when to trace again (``_activations/executor.py``).
+    direction. The session keeps a plan per distinct op sequence (gradient accumulation
+    alternates two), goes on with another kept plan when a step leaves the one it replays,
+    and otherwise falls back to a warmup that records the rest of the step; a plan holds the
+    largest size of each storage seen and is made again when a step's storages are larger
+    (dynamic padding). The session's ``Executor`` decides (``_activations/executor.py``).
     ``trace`` and ``schedule`` are the plan, and ``load_plan`` replays one saved as JSON.
     Results are the same bits as without the session.
 
@@ -160,7 +163,8 @@ class OffloadSession:
         Use it to reuse a plan from an earlier run, or one ``swapopt plan`` made from a saved
         trace: ``ActivationTrace.from_json`` and ``ResidencySchedule.from_json`` read them
         back. The replay follows the schedule (not this session's budget) and falls back as
-        any replay does when the step's ops differ from the trace.
+        any replay does when the step's ops differ from the trace. The loaded plan joins the
+        plans the session keeps, and the next entry starts with it.
 
         Raises:
             TypeError: ``trace`` or ``schedule`` has the wrong type.

@@ -194,3 +194,35 @@ def test_a_session_keeps_four_plans_the_least_recently_used_going_first(
         assert after.plans_kept <= 4
     # 1..5 trace (1 goes when 5 comes); 5, 4, 3, 2 replay; 1 was let go: traced again.
     assert seen == ["trace"] * 5 + ["replay"] * 4 + ["trace"]
+
+
+def test_a_step_that_leaves_an_empty_plan_keeps_the_budget_and_is_recorded_next_time(
+    runtime_name: str,
+) -> None:
+    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(0))
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1 << 20, runtime="loopback"))
+    with probe:
+        _Depth()(x, 2).backward()
+    from swapopt_core._planning.simulate import simulate
+
+    budget = 1.5 * simulate(probe.trace).natural_peak_bytes  # depth 2 fits, depth 6 does not
+    reference, model = _Depth(), _Depth()
+    session = _session(budget, runtime_name)
+    counts, peaks = [], []
+    for depth in [2, 2, 6, 6, 6, 2]:
+        for m in (reference, model):
+            m.zero_grad(set_to_none=True)
+        reference(x, depth).backward()
+        with session:
+            model(x, depth).backward()
+        assert same_grads(reference, model), depth
+        stats = session.stats()
+        counts.append((stats.warmups, stats.retraces, stats.replays))
+        peaks.append(stats.last_peak_resident_activation_bytes)
+    # The first depth-6 step leaves the empty depth-2 plan, which saw none of its storages:
+    # it finishes under the budget less what it cannot see, and records nothing. The plan
+    # then registers its storages, so the next depth-6 step records the rest of its ops.
+    assert counts[2] == (1, 1, 1)
+    assert counts[3] == (2, 2, 1)
+    assert counts[-1] == (2, 2, 3)  # then both op sequences replay
+    assert max(peaks) <= budget, peaks

@@ -17,11 +17,12 @@ untouched. What is not predicted is evicted after the op, as before.
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,41 @@ def _classify(func: Any) -> bool:
     return fresh
 
 
+class _Unsupported(Exception):
+    """An argument has no meta form (a tensor subclass, another layout)."""
+
+
+#: Answers by call: the op, and each argument's sizes, strides and dtype or value. Meta
+#: kernels are functions of exactly these, and a step repeats its layers' calls.
+_ANSWERS: dict[tuple, int] = {}
+_ANSWERS_KEPT = 8192
+
+
+def _key(value: Any) -> Hashable:
+    """What ``value`` contributes to an op's output sizes."""
+    if isinstance(value, torch.Tensor):
+        if type(value) not in _PLAIN or value.layout != torch.strided:
+            raise _Unsupported
+        return (value.shape, value.stride(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_key(v) for v in value)
+    return (type(value), value)  # 1 and 1.0 promote differently
+
+
+def _meta(value: Any, inputs: set[int]) -> Any:
+    """``value`` with every tensor replaced by a meta tensor of the same layout (their
+    storages noted in ``inputs``) and every device by the meta device."""
+    if isinstance(value, torch.Tensor):
+        meta = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="meta")
+        inputs.add(meta.untyped_storage()._cdata)
+        return meta
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(v, inputs) for v in value)
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    return value
+
+
 def fresh_bytes(func: Any, args: tuple, kwargs: dict) -> int:
     """Bytes of the storages ``func(*args, **kwargs)`` will create, 0 when unknown.
 
@@ -61,20 +97,16 @@ def fresh_bytes(func: Any, args: tuple, kwargs: dict) -> int:
     """
     if not _classify(func):
         return 0
-    flat, spec = tree_flatten((args, kwargs))
+    try:
+        key = (func, tuple(_key(v) for v in args), tuple((k, _key(v)) for k, v in kwargs.items()))
+        known = _ANSWERS.get(key)
+    except (_Unsupported, TypeError):  # a subclass, or an argument that cannot be hashed
+        return 0
+    if known is not None:
+        return known
     inputs: set[int] = set()
-    for position, value in enumerate(flat):
-        if isinstance(value, torch.Tensor):
-            if type(value) not in _PLAIN or value.layout != torch.strided:
-                return 0  # a subclass or another layout: its meta form may not exist
-            meta = torch.empty_strided(
-                value.size(), value.stride(), dtype=value.dtype, device="meta"
-            )
-            inputs.add(meta.untyped_storage()._cdata)
-            flat[position] = meta
-        elif isinstance(value, torch.device):
-            flat[position] = torch.device("meta")
-    meta_args, meta_kwargs = tree_unflatten(flat, spec)
+    meta_args = tuple(_meta(v, inputs) for v in args)
+    meta_kwargs = {k: _meta(v, inputs) for k, v in kwargs.items()}
     if meta_kwargs.get("device") is not None or _factory(func):
         meta_kwargs["device"] = torch.device("meta")  # a factory: make it on meta too
     try:
@@ -91,11 +123,14 @@ def fresh_bytes(func: Any, args: tuple, kwargs: dict) -> int:
         if not isinstance(value, torch.Tensor):
             continue
         storage = value.untyped_storage()
-        key = storage._cdata
-        if key in inputs or key in seen:
+        ident = storage._cdata
+        if ident in inputs or ident in seen:
             continue
-        seen.add(key)
+        seen.add(ident)
         total += storage.nbytes()
+    if len(_ANSWERS) >= _ANSWERS_KEPT:
+        _ANSWERS.clear()
+    _ANSWERS[key] = total
     return total
 
 

@@ -32,3 +32,11 @@ def test_fresh_bytes_draws_no_random_numbers() -> None:
     state = torch.get_rng_state()
     assert fresh_bytes(aten.native_dropout.default, (x, 0.5, True), {}) == 64 * 64 * 5
     assert torch.equal(state, torch.get_rng_state())
+
+
+def test_fresh_bytes_tells_calls_apart_by_argument_type() -> None:
+    x = torch.arange(8)  # int64
+    assert fresh_bytes(aten.add.Tensor, (x, torch.ones(8, dtype=torch.int32)), {}) == 64
+    assert fresh_bytes(aten.mul.Scalar, (x, 2), {}) == 64
+    assert fresh_bytes(aten.mul.Scalar, (x, 2.0), {}) == 32  # promoted to float32
+    assert fresh_bytes(aten.mul.Scalar, (x, 2), {}) == 64  # a cached answer per type

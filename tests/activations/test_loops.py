@@ -226,3 +226,49 @@ def test_a_step_that_leaves_an_empty_plan_keeps_the_budget_and_is_recorded_next_
     assert counts[3] == (2, 2, 1)
     assert counts[-1] == (2, 2, 3)  # then both op sequences replay
     assert max(peaks) <= budget, peaks
+
+
+@pytest.mark.parametrize("failing", [1, 2], ids=["retrace", "switch"])
+def test_an_exception_in_an_entry_that_leaves_its_plan_loses_nothing(
+    runtime_name: str, failing: int
+) -> None:
+    """A fault late in backward, after the entry fell back (the second entry) or switched
+    plans (the third): the optimizer step is repeated, and training goes on bit for bit."""
+    budget = 0.3 * natural_peak()
+    session = _session(budget, runtime_name)
+    reference, model = gpt(), gpt()
+    armed = {"entry": -1}
+
+    def fault(grad: torch.Tensor) -> None:
+        if armed["entry"] == failing:
+            armed["entry"] = -1  # once
+            raise ValueError("injected")
+
+    def hook(module: torch.nn.Module, inputs: object, out: torch.Tensor) -> None:
+        out.register_hook(fault)  # fires late in backward, after the op sequences part
+
+    model.blocks[0].register_forward_hook(hook)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    entry, failed = 0, 0
+    for step in range(4):
+        while True:  # the optimizer step, repeated after a fault
+            model.zero_grad(set_to_none=True)
+            try:
+                for index in range(2):
+                    armed["entry"], entry = entry, entry + 1
+                    with session:
+                        backward(model, tokens(step * 2 + index))
+            except ValueError:
+                failed += 1
+                continue
+            break
+        reference.zero_grad(set_to_none=True)
+        for index in range(2):
+            backward(reference, tokens(step * 2 + index))
+        assert same_grads(reference, model), step
+        for optimizer in optimizers:
+            optimizer.step()
+    assert failed == 1
+    stats = session.stats()
+    assert stats.replays >= 5 and stats.plans_kept == 2
+    assert stats.last_peak_resident_activation_bytes <= budget

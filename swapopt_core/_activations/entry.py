@@ -2,12 +2,14 @@
 
 A **warmup** entry records each op (name, duration, the storages it reads and writes, and
 where among its outputs each storage it creates is), registers the storages it creates, and
-evicts the oldest (then largest) activations whenever the budget is exceeded; an evicted
-storage is paged back in the moment an op touches it. A **replay** entry follows a plan and
-nothing else: the ``ActivationTrace`` says which op comes next, which storages it writes and
-where its new storages are; the ``ResidencySchedule`` says what to do before and after it.
-When an op does not match the trace, the entry brings everything back and goes on as its
-``Executor`` decides (``trace_after_miss``).
+keeps the budget: before an op runs it makes room for the storages the op will page in and
+for those it will create (predicted on meta tensors, ``prediction.py``) by evicting the
+oldest (then largest) idle activations, and evicts again after the op for what was not
+predicted; an evicted storage is paged back in the moment an op touches it. A **replay**
+entry follows a plan and nothing else: the ``ActivationTrace`` says which op comes next,
+which storages it writes and where its new storages are; the ``ResidencySchedule`` says
+what to do before and after it. When an op does not match the trace, the replay goes on
+with another plan the session keeps or falls back to a warmup (``handover.py``).
 """
 
 from __future__ import annotations
@@ -22,21 +24,17 @@ from torch.utils._pytree import tree_leaves
 
 from swapopt_core._activations.gradients import GradientWatch
 from swapopt_core._activations.guards import CompileWatch, compiled_refusal
+from swapopt_core._activations.handover import Handover
+from swapopt_core._activations.prediction import fresh_bytes
 from swapopt_core._activations.recording import call_devices, fresh_outputs
-from swapopt_core._activations.replay import tables_for
 from swapopt_core._activations.replay_path import ReplayPath
 from swapopt_core._activations.residency import Residency
 from swapopt_core._activations.runtime import ActivationRuntime
-from swapopt_core._planning.ir import (
-    Access,
-    AccessKind,
-    ActivationTrace,
-    ResidencySchedule,
-    TraceOp,
-)
+from swapopt_core._planning.ir import Access, AccessKind, TraceOp
 
 if TYPE_CHECKING:
     from swapopt_core._activations.executor import Executor
+    from swapopt_core._activations.plans import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -108,39 +106,29 @@ class _Mode(TorchDispatchMode):
         return self.entry.dispatch(func, args, kwargs or {})
 
 
-class Entry(ReplayPath):
-    """One entry of a session: a warmup that records, or a replay of ``trace`` and ``schedule``.
+class Entry(Handover, ReplayPath):
+    """One entry of a session: a warmup that records, or a replay of a kept ``Plan``.
 
     Args:
-        executor: The session's executor: it chooses the runtime and decides what a miss
-            means.
-        trace: The recorded step to replay; ``None`` for a warmup.
-        schedule: The plan for ``trace``.
+        executor: The session's executor: it chooses the runtime, keeps the plans and
+            says whether a replay registers every storage.
+        plan: The plan to replay; ``None`` for a warmup.
     """
 
-    def __init__(
-        self,
-        executor: Executor,
-        trace: ActivationTrace | None = None,
-        schedule: ResidencySchedule | None = None,
-    ) -> None:
+    def __init__(self, executor: Executor, plan: Plan | None = None) -> None:
         self.executor = executor
         self.runtime: ActivationRuntime | None = None  # chosen at the first op
         self.residency: Residency | None = None
         self.budget = executor.budget_bytes
         self.min_offload = executor.min_offload_bytes
-        self.replaying = trace is not None and schedule is not None
+        self.replaying = plan is not None
         self.recording = not self.replaying
         self.diverged = False
-        self.trace = trace if self.replaying else None
-        self.schedule = schedule if self.replaying else None
-        self.tables = tables_for(trace, schedule) if self.replaying else None
-        self._init_replay()
-        self.ops_planned = len(trace.ops) if trace is not None and self.replaying else 0
         self.op = -1
         self.opaque = 0
-        # Storages made after a fall-back get ids the trace does not use.
-        self.next_sid = 1 + max(trace.storage_sizes, default=0) if trace is not None else 1
+        self.next_sid = 1  # the id of the next storage a recording tracks
+        self._init_replay()
+        self._init_handover(plan)
         self.ops: list[tuple[str, Any, Any, tuple[Access, ...], bool]] = []
         self._virtual: list[_Open] = []
         self.mode = _Mode(self)
@@ -179,8 +167,10 @@ class Entry(ReplayPath):
             index = self.op + 1
             if index < self.ops_planned and name == self.tables.names[index]:
                 return self._replay(index, func, args, kwargs)
-            self._diverge(f"op {index} is {name}")
-        opened = self._begin(name, (args, kwargs), _written(func, args, kwargs))
+            if self._leave(name):  # another kept plan goes on from here
+                return self._replay(index, func, args, kwargs)
+        room = fresh_bytes(func, args, kwargs) if self._served(args, kwargs) else 0
+        opened = self._begin(name, (args, kwargs), _written(func, args, kwargs), room)
         if self.recording:
             opened.devices = call_devices(func, args, kwargs)
         return self._end(opened, func(*args, **kwargs))
@@ -189,7 +179,16 @@ class Entry(ReplayPath):
         index = self.op + 1
         return index < self.ops_planned and self.tables.names[index] == name
 
-    def _begin(self, name: str, inputs: object, written: list[torch.Tensor]) -> _Open:
+    def _served(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an op's new storages would land on the device this entry serves."""
+        return self.runtime.serves(_device_of((args, kwargs)))
+
+    def _begin(
+        self, name: str, inputs: object, written: list[torch.Tensor], room: int = 0
+    ) -> _Open:
+        """Open op ``name``: on a replay, its ``pre`` actions; otherwise find the tracked
+        storages it touches, make room for those away and for the ``room`` bytes it will
+        create, then page them in."""
         residency = self.residency
         self.op += 1
         opened = _Open(self.op, name, None)
@@ -197,6 +196,7 @@ class Entry(ReplayPath):
             self._replay_pre(self.op)
         else:
             writes = {id(t) for t in written}
+            touched = []
             for value in tree_leaves(inputs):
                 storage = _storage(value)
                 if storage is None:
@@ -207,19 +207,23 @@ class Entry(ReplayPath):
                 entry = residency.by_storage.get(storage)
                 if entry is None:
                     continue
+                touched.append((entry, storage, id(value) in writes))
+                if id(value) in writes:
+                    opened.accesses[entry.sid] = AccessKind.WRITE
+                else:
+                    opened.accesses.setdefault(entry.sid, AccessKind.READ)
+            away = {e.sid: e.nbytes for e, _, _ in touched if not e.resident}
+            # Room before anything allocates: what it pages in, then what it creates.
+            self._evict(protected=set(opened.accesses), room=sum(away.values()) + room)
+            for entry, storage, write in touched:
                 if not entry.resident:
                     self.gradients.paged_in(entry)
                 residency.ready(entry)
                 if not storage.resizable():  # .numpy() shares it: the plan must keep it
                     self.pinned.add(entry.sid)
-                if id(value) in writes:
-                    opened.accesses[entry.sid] = AccessKind.WRITE
+                if write:
                     residency.written(entry)
-                else:
-                    opened.accesses.setdefault(entry.sid, AccessKind.READ)
             self.gradients.sample(residency.resident_bytes)
-            # What it paged in may exceed the budget: make room before its outputs come.
-            self._evict(protected=set(opened.accesses))
         opened.start = self.runtime.stamp() if self.recording else None
         return opened
 
@@ -241,6 +245,12 @@ class Entry(ReplayPath):
             self.next_sid += 1
             opened.accesses[entry.sid] = AccessKind.WRITE
             opened.outputs[entry.sid] = position
+        if self.recording and opened.start is None:
+            # A region the replay opened, closed after a fall-back: its inputs went unseen.
+            logger.info(
+                "activation fall-back: %s began in the replay; nothing is recorded", opened.name
+            )
+            self.recording = False
         if self.recording:
             accesses = tuple(
                 Access(sid, kind, opened.outputs.get(sid)) for sid, kind in opened.accesses.items()
@@ -271,12 +281,13 @@ class Entry(ReplayPath):
 
     # ---- warmup: online eviction ---------------------------------------------------------
 
-    def _evict(self, protected: set[int]) -> None:
-        """Bring the resident bytes under the budget: storages of at least
+    def _evict(self, protected: set[int], room: int = 0) -> None:
+        """Bring the resident bytes under the budget less ``room``: storages of at least
         ``min_offload_bytes`` first (oldest, then largest), then, when that is not enough,
         the smaller ones too (oldest first)."""
         residency = self.residency
-        if residency.resident_bytes <= self.budget:
+        limit = self.budget - self.unseen - room
+        if residency.resident_bytes <= limit:
             return
         movable = [
             e
@@ -291,26 +302,12 @@ class Entry(ReplayPath):
             (e for e in movable if e.nbytes < self.min_offload), key=lambda e: e.produced_at
         )
         for entry in (*large, *small):
-            if residency.resident_bytes <= self.budget:
+            if residency.resident_bytes <= limit:
                 break
             if residency.copy_out(entry):
                 residency.release(entry)
                 if not entry.resident:
                     self.gradients.released(entry)
-
-    # ---- replay --------------------------------------------------------------------------
-
-    def _diverge(self, why: str) -> None:
-        """Stop replaying: bring everything back and go on as the executor decides."""
-        logger.info("activation replay diverged from the trace (%s)", why)
-        residency = self.residency
-        residency.restore_all()  # recomputes what has no host copy
-        residency.index_storages()  # the warmup that follows finds storages by object
-        for tracked in residency.by_sid.values():
-            tracked.recipe = None  # no recompute after this: let their inputs go
-        self.diverged = True
-        self.replaying = False
-        self.recording = self.executor.trace_after_miss(self.op + 1)
 
     # ---- opaque regions ------------------------------------------------------------------
 
@@ -323,7 +320,7 @@ class Entry(ReplayPath):
             if self.residency is None:
                 self._start(inputs)
             if self.replaying and not self._matches(name):
-                self._diverge(f"op {self.op + 1} is the region {name}")
+                self._leave(name)  # another kept plan, or a fall-back to a warmup
             self._virtual.append(self._begin(name, inputs, []))
             self.opaque += 1
         finally:
@@ -347,16 +344,20 @@ class Entry(ReplayPath):
         return self.replaying and self.op + 1 == self.ops_planned
 
     def trace_ops(self) -> list[TraceOp]:
-        """The recorded ops with their durations (needs every stamp to be complete)."""
+        """The recorded ops with their durations (needs every stamp to be complete), after
+        the ops of the plan the entry replayed before it fell back (``seed``)."""
         runtime = self.runtime
-        return [
+        return [*self.seed] + [
             TraceOp(name, runtime.elapsed_ms(start, end), accesses, recompute)
             for name, start, end, accesses, recompute in self.ops
         ]
 
     def storage_sizes(self) -> dict[int, int]:
+        """The size of every storage the entry tracked (the planned one where it was
+        larger: a plan serves the largest sizes seen)."""
         by_sid = self.residency.by_sid if self.residency is not None else {}
-        return {sid: e.nbytes for sid, e in by_sid.items()}
+        seeded = self.seed_sizes
+        return {sid: max(e.nbytes, seeded.get(sid, 0)) for sid, e in by_sid.items()}
 
     def unmovable(self) -> set[int]:
         """Storages that cannot be released: shared with NumPy or other foreign memory."""
@@ -366,7 +367,7 @@ class Entry(ReplayPath):
             for e in by_sid.values()
             if e.alive and (s := e.storage()) is not None and not s.resizable()
         }
-        return self.pinned | alive
+        return self.pinned | alive | self.seed_pinned
 
     def retained(self) -> frozenset[int]:
         by_sid = self.residency.by_sid if self.residency is not None else {}

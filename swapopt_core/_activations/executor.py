@@ -9,23 +9,32 @@ planner or read back from JSON, it is all a replay consults (see ``entry.py``).
 The rules, in one place:
 
 - With no plan, an entry is a **warmup**: it traces the step and the planner plans it.
-- With a plan, it **replays** it. When an op differs from the trace at the very first op (a
-  step of new shapes), the entry traces from scratch and re-plans. Later, it finishes as a
-  warmup without a trace and the plan stays for the next step; a replay that ends before
-  its trace does counts the same. The same plan missed twice in a row is dropped, and the
-  next entry traces again.
+- The session keeps a plan per distinct op sequence (``PlanBook``, ``plans.py``). An entry
+  **replays** the plan that followed the last entry's plan last time (else that plan
+  again). When the step leaves it at op ``k``, the replay goes on with a kept plan that
+  shares the first ``k`` ops and has the step's op ``k`` (``handover.py``); without one it
+  falls back to a warmup seeded with the plan's first ``k`` ops, which is planned at the
+  end and kept as another plan (a **retrace**).
+- A replay whose storages come out larger than planned keeps replaying under the budget,
+  and at its end the plan is made again for the grown sizes (a **re-plan**: same ops, no
+  warmup). Smaller storages simply replay: a plan holds the largest sizes seen.
+- A replay that ends before its trace does, or that fell back without seeing its storages
+  (an empty plan registers only what it must), plans nothing and keeps its plan; the same
+  plan missed twice in a row is dropped.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import weakref
 
 import torch
 
 from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.cuda_runtime import CudaActivationRuntime
 from swapopt_core._activations.entry import Entry
+from swapopt_core._activations.plans import Plan, PlanBook, canonical, grown
 from swapopt_core._activations.residency import HostPool
 from swapopt_core._activations.runtime import ActivationRuntime, RuntimeChoice, resolve_runtime
 from swapopt_core._planning.interface import ResidencyPlanner
@@ -39,11 +48,11 @@ __all__ = ["Executor", "Verdict"]
 class Verdict(enum.Enum):
     """What an entry turned out to be."""
 
-    REPLAYED = "replayed"  # the plan ran to its end
-    MISSED = "missed"  # the replay left its plan after the first op; the plan stays
-    DROPPED = "dropped"  # the second miss in a row: the plan is gone, the next entry traces
+    REPLAYED = "replayed"  # a kept plan ran to its end (switches and growth included)
+    MISSED = "missed"  # the replay left its plan and recorded nothing; the plan stays
+    DROPPED = "dropped"  # the second miss in a row: the plan is gone
     TRACED = "traced"  # a warmup traced the step, and it was planned
-    RETRACED = "retraced"  # the replay left its plan at the first op: traced and re-planned
+    RETRACED = "retraced"  # the replay left its plan and recorded the rest: a new plan
 
     @property
     def traced(self) -> bool:
@@ -76,25 +85,44 @@ class Executor:
         self.runtimes = runtimes if runtimes is not None else _builtin_runtimes(config.runtime)
         self.budget_bytes = config.budget_bytes
         self.min_offload_bytes = config.min_offload_bytes
-        self.trace: ActivationTrace | None = None
-        self.schedule: ResidencySchedule | None = None
+        self.book = PlanBook()
         self.entry: Entry | None = None
         self.runtime: ActivationRuntime | None = None
         self.pool: HostPool | None = None
+        self.leaves: list[weakref.ref] = []  # leaf tensors the last recording hooked
         self._bandwidth: tuple[ActivationRuntime, tuple[float, float]] | None = None
-        self._misses = 0  # replays in a row that left the current plan
         self.counts = dict.fromkeys(
             ("warmups", "replays", "retraces", "d2h", "h2d", "peak", "last_peak", "refusals"), 0
         )
         self.counts["gradients"] = 0  # parameter gradient bytes the last warmup found
         self.counts["recomputes"] = self.counts["demand_recomputes"] = 0
+        self.counts["replans"] = self.counts["switches"] = 0
 
-    # ---- the plan ------------------------------------------------------------------------
+    # ---- the plans -----------------------------------------------------------------------
+
+    @property
+    def trace(self) -> ActivationTrace | None:
+        """The trace of the most recently used plan."""
+        plan = self.book.current
+        return plan.trace if plan is not None else None
+
+    @property
+    def schedule(self) -> ResidencySchedule | None:
+        """The schedule of the most recently used plan."""
+        plan = self.book.current
+        return plan.schedule if plan is not None else None
 
     def adopt(self, trace: ActivationTrace, schedule: ResidencySchedule) -> None:
-        """Replay ``schedule`` for ``trace`` from the next entry on."""
-        self.trace, self.schedule = trace, schedule
-        self._misses = 0
+        """Replay ``schedule`` for ``trace`` from the next entry on (the plans kept so far
+        stay, behind it)."""
+        plan = Plan(trace, schedule)
+        self.book.add(plan)
+        self.book.last = plan  # the next entry starts with it
+
+    def tracks(self, plan: Plan) -> bool:
+        """Whether a replay of ``plan`` registers every storage: when some kept plan moves
+        storages (a switch to it must find them), or when a fall-back needed it."""
+        return plan.binding or plan.track or self.book.binding
 
     def load(self, trace: ActivationTrace, schedule: ResidencySchedule) -> None:
         """``adopt`` a plan from elsewhere (JSON files), after checking it can drive a replay.
@@ -134,10 +162,7 @@ class Executor:
         if self.runtime is None and self.config.runtime != "auto":
             # A named runtime is made at once, so a missing CUDA fails here and not in an op.
             self._use(self.runtimes.make())
-        if self.trace is not None and self.schedule is not None:
-            self.entry = Entry(self, self.trace, self.schedule)
-        else:
-            self.entry = Entry(self)
+        self.entry = Entry(self, self.book.predict())
         self.entry.mode.__enter__()
         self.entry.mode.armed = True
 
@@ -161,8 +186,13 @@ class Executor:
             counts["warmups"] += verdict.traced
             counts["retraces"] += verdict.missed
             counts["replays"] += verdict is Verdict.REPLAYED
+            counts["switches"] += entry.switches
             if verdict.traced:
-                self._plan(entry)
+                self.book.ended(self._plan(entry))
+            elif verdict is Verdict.REPLAYED:
+                if entry.grown:
+                    self._replan(entry)
+                self.book.ended(entry.plan)
             return verdict
         finally:
             self.entry = None
@@ -188,34 +218,28 @@ class Executor:
         if entry.recording:  # it traced the step: the gradients it found are the plan's
             counts["gradients"] = entry.gradients.nbytes
 
-    def trace_after_miss(self, ops_done: int) -> bool:
-        """Whether a replay that left its plan after ``ops_done`` ops traces from scratch.
-
-        Only when nothing ran yet: a step of new shapes gets a trace and a plan of its own.
-        Later, the entry finishes untraced; ``exit`` then weighs the miss.
-        """
-        return ops_done == 0
-
     def _judge(self, entry: Entry) -> Verdict:
         if entry.replayed_to_end:
-            self._misses = 0
+            entry.plan.misses = 0
             return Verdict.REPLAYED
+        if entry.recording:
+            return Verdict.RETRACED if entry.diverged else Verdict.TRACED
         if entry.replaying:  # it ended early: its ops differ from the trace
             logger.info(
                 "activation replay ran %d of %d traced ops", entry.op + 1, entry.ops_planned
             )
-        elif entry.recording:
-            self._misses = 0
-            return Verdict.RETRACED if entry.diverged else Verdict.TRACED
         # NOTE: a one-off step (Lightning logs differently on an epoch's first batch) keeps the
-        # plan; the same plan missed twice in a row is traced again.
-        self._misses += 1
-        if self._misses < 2:
+        # plan; the same plan missed twice in a row is dropped.
+        plan = entry.plan
+        plan.misses += 1
+        if plan.misses < 2:
             return Verdict.MISSED
-        self.schedule, self._misses = None, 0
+        self.book.drop(plan)
+        self._trim_pool()
         return Verdict.DROPPED
 
-    def _plan(self, entry: Entry) -> None:
+    def _plan(self, entry: Entry) -> Plan:
+        """Plan the step a recording entry traced; the new plan is kept."""
         runtime = entry.runtime
         if isinstance(runtime, CudaActivationRuntime):
             # Op durations are read from events: they must all have completed.
@@ -230,14 +254,44 @@ class Executor:
             h2d,
             self.min_offload_bytes,
         )
-        schedule = _without(self.planner.plan(trace), entry.unmovable())
-        self.adopt(trace, schedule)
+        trace, (pinned,) = canonical(trace, entry.unmovable())
+        schedule = _without(self.planner.plan(trace), pinned)
+        plan = Plan(trace, schedule, pinned)
+        self.book.add(plan)
+        self._trim_pool()
+        leaves = entry.gradients.leaves()
+        if leaves:
+            self.leaves = leaves
         logger.info(
-            "activation warmup traced %d ops, %d storages; planned %d actions",
+            "activation warmup traced %d ops, %d storages; planned %d actions (%d plans kept)",
             len(trace.ops),
             len(trace.storage_sizes),
             len(schedule),
+            len(self.book),
         )
+        return plan
+
+    def _replan(self, entry: Entry) -> None:
+        """Plan the replayed op sequence again for the sizes that grew (no warmup)."""
+        plan = entry.plan
+        trace = grown(plan.trace, entry.grown)
+        pinned = plan.pinned | (entry.unmovable() & set(trace.storage_sizes))
+        plan.resize(trace, _without(self.planner.plan(trace), pinned))
+        plan.pinned = frozenset(pinned)
+        self.counts["replans"] += 1
+        self._trim_pool()
+        logger.info(
+            "activation plan made again for %d larger storages: %d actions",
+            len(entry.grown),
+            len(plan.schedule),
+        )
+
+    def _trim_pool(self) -> None:
+        """Free the idle host buffers of sizes no kept plan takes any more."""
+        if self.pool is not None:
+            self.pool.keep_only(
+                {s for plan in self.book.plans for s in plan.trace.storage_sizes.values()}
+            )
 
     # ---- the runtime ---------------------------------------------------------------------
 

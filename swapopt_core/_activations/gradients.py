@@ -97,6 +97,18 @@ class GradientWatch:
         handle = tensor.register_post_accumulate_grad_hook(self._accumulated)
         self._hooked[id(tensor)] = (weakref.ref(tensor), handle)
 
+    def leaves(self) -> list[weakref.ref]:
+        """Weak references to the leaf tensors hooked so far (the parameters, typically)."""
+        return [ref for ref, _ in self._hooked.values() if ref() is not None]
+
+    def watch_all(self, refs: list[weakref.ref]) -> None:
+        """Hook the still-alive leaves of ``refs``: a warmup that starts in the middle of a
+        step (a replay fell back) has not seen the parameters its forward read."""
+        for ref in refs:
+            tensor = ref()
+            if tensor is not None:
+                self.watch(tensor)
+
     def _accumulated(self, tensor: torch.Tensor) -> None:
         entry = self._entry()
         grad = tensor.grad

@@ -57,9 +57,10 @@ class ReplayTables:
         pre, post: The actions due before and after each op (empty tuples when none).
         binds: ``(output position, sid, nbytes, register)`` of the storages each op makes:
             registered are those some action or recipe needs, every one when the plan has
-            actions (the replay then measures its peak and holds it, ``limit``). An op
-            that makes only storages nothing needs has its first one listed unregistered:
-            its size is checked, so a step of other shapes still leaves the plan.
+            actions or ``track_all`` is asked for (the replay then measures its peak and
+            holds it, ``limit``). An op that makes only storages nothing needs has its first
+            one listed unregistered: its size is checked, so a storage larger than planned
+            is noticed (the replay then holds the budget on the live sizes and re-plans).
         touched: The registered storages each op reads or writes (made ready before it).
         made: The bytes of the registered storages each op makes.
         pre_net, post_net: The bytes the ``pre`` (``post``) actions of each op bring onto the
@@ -77,11 +78,23 @@ class ReplayTables:
         planned_peak: The plan's simulated peak (0 when the simulator refuses it): what a
             replay that registers nothing (``track_all`` false) reports as its peak.
         track_all: Whether every activation storage is registered.
+        registered: The storages registered.
+        recipe_until: For each storage a recipe is kept for, the op after which it is
+            dropped.
         uses: The ops that access each registered storage, in order (what the replay reads
             to evict the storage needed last).
+
+    Args:
+        trace: The recorded step.
+        schedule: Its plan.
+        track_all: Register every activation storage even when the plan has no action
+            (the session then sees them all: to hold the budget when sizes grow, or to
+            hand a step over to a warmup); default: only when the plan has actions.
     """
 
-    def __init__(self, trace: ActivationTrace, schedule: ResidencySchedule) -> None:
+    def __init__(
+        self, trace: ActivationTrace, schedule: ResidencySchedule, track_all: bool = False
+    ) -> None:
         ops, sizes = trace.ops, trace.storage_sizes
         count = len(ops)
         self.names = [op.name for op in ops]
@@ -93,7 +106,7 @@ class ReplayTables:
             acted.setdefault(action.storage_id, set()).add(action.kind)
             last_action.setdefault(action.storage_id, {})[action.kind] = op
         specs = _recipe_specs(trace, acted)
-        self.track_all = len(schedule) > 0
+        self.track_all = track_all or len(schedule) > 0
         needed = set(acted)
         for spec in specs.values():
             needed.update(spec.inputs)
@@ -124,9 +137,12 @@ class ReplayTables:
         self.written = [tuple(w) for w in written]
         recipes: list[list[_RecipeSpec]] = [[] for _ in range(count)]
         drops: list[list[int]] = [[] for _ in range(count)]
+        self.recipe_until: dict[int, int] = {}
         for spec in specs.values():
             recipes[spec.producer].append(spec)
-            drops[_drop_op(spec.sid, last_action, last_access)].append(spec.sid)
+            until = self.recipe_until[spec.sid] = _drop_op(spec.sid, last_action, last_access)
+            drops[until].append(spec.sid)
+        self.registered = frozenset(sizes) if self.track_all else frozenset(needed & set(sizes))
         self.recipes = [tuple(r) for r in recipes]
         self.drops = [tuple(d) for d in drops]
         self.busy = [
@@ -215,13 +231,17 @@ def _simulated_peak(trace: ActivationTrace, schedule: ResidencySchedule) -> floa
         return math.inf
 
 
-_CACHE: dict[int, tuple[weakref.ref, weakref.ref, tuple[int, ...], ReplayTables]] = {}
+_CACHE: dict[tuple[int, bool], tuple[weakref.ref, weakref.ref, tuple[int, ...], ReplayTables]] = {}
 
 
-def tables_for(trace: ActivationTrace, schedule: ResidencySchedule) -> ReplayTables:
-    """The tables of this plan, built at its first replay and reused while it lasts."""
+def tables_for(
+    trace: ActivationTrace, schedule: ResidencySchedule, track_all: bool = False
+) -> ReplayTables:
+    """The tables of this plan, built at its first replay and reused while it lasts
+    (``track_all``: see ``ReplayTables``)."""
     shape = (len(schedule.pre), len(schedule.post), len(schedule))
-    cached = _CACHE.get(id(schedule))
+    key = (id(schedule), track_all)
+    cached = _CACHE.get(key)
     # A schedule edited in place (another shape) gets new tables.
     if (
         cached is not None
@@ -230,10 +250,10 @@ def tables_for(trace: ActivationTrace, schedule: ResidencySchedule) -> ReplayTab
         and cached[2] == shape
     ):
         return cached[3]
-    tables = ReplayTables(trace, schedule)
-    for key in [k for k, c in _CACHE.items() if c[1]() is None or c[0]() is None]:
-        del _CACHE[key]
-    _CACHE[id(schedule)] = (weakref.ref(trace), weakref.ref(schedule), shape, tables)
+    tables = ReplayTables(trace, schedule, track_all)
+    for stale in [k for k, c in _CACHE.items() if c[1]() is None or c[0]() is None]:
+        del _CACHE[stale]
+    _CACHE[key] = (weakref.ref(trace), weakref.ref(schedule), shape, tables)
     return tables
 
 

@@ -4,10 +4,17 @@
 runs the ``pre`` actions due, readies the storages the op touches when something is away or
 in flight, marks in-place writes, runs the op, registers the storages some action needs (by
 id, at their recorded output positions), keeps the recipes of storages to recompute, runs
-the ``post`` actions, and holds the plan's peak: when the live activation bytes exceed the
-plan's simulated peak, or would once the op's actions and outputs allocate, it evicts the
-storages needed last (by the trace; those it no longer reads first) that the op does not touch
-(copy out, then release) rather than overshoot.
+the ``post`` actions, and holds the plan's peak (``limit``): when the live activation bytes
+exceed the plan's simulated peak, or would once the op's actions and outputs allocate, it
+evicts the storages needed last (by the trace; those it no longer reads first) that the op
+does not touch (copy out, then release) rather than overshoot.
+
+A plan serves every step with its op sequence, whatever the sizes: a storage at most its
+planned size is registered at its live size (its host buffer is taken at the planned size,
+so the pool reuses it). One that comes out larger is noted (``grown``): from then on the
+entry registers every storage, holds the budget (not the plan's peak) on the live sizes,
+makes room for each op's outputs as predicted on meta tensors and for its actions at their
+live sizes, and the executor re-plans the op sequence with the grown sizes at the end.
 """
 
 from __future__ import annotations
@@ -20,11 +27,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from swapopt_core._activations.prediction import fresh_bytes
 from swapopt_core._activations.replay import ReplayTables, drop_recipes, keep_recipes
 from swapopt_core._activations.residency import Residency, Tracked
 from swapopt_core._planning.ir import Action, ActionKind
 
 if TYPE_CHECKING:
+    from swapopt_core._activations.plans import Plan
     from swapopt_core._activations.replay import Recipe
 
 logger = logging.getLogger(__name__)
@@ -47,6 +56,10 @@ class ReplayPath:
     residency: Residency
     op: int
     quiet: int
+    limit: float  # the peak the replay holds (``_follow``)
+    grown: dict[int, int]
+    budget: int
+    plan: Plan
 
     def _init_replay(self) -> None:
         self.recomputes = 0  # every recompute: planned, on demand, at the end
@@ -59,7 +72,8 @@ class ReplayPath:
         self.op = index
         tables, residency = self.tables, self.residency
         if tables.busy[index] or residency.released or residency.pending_in:
-            self._replay_pre(index)
+            # Sizes grew: room for what this op makes, at its live sizes.
+            self._replay_pre(index, fresh_bytes(func, args, kwargs) if self.grown else 0)
             out = func(*args, **kwargs)
             self._replay_post(index, out, func, args, kwargs)
             return out
@@ -68,16 +82,19 @@ class ReplayPath:
         if probe is not None:
             position, nbytes = probe
             value = out if position == 0 and type(out) is torch.Tensor else None
-            if value is None or value.untyped_storage().nbytes() != nbytes:
-                self._bind(index, tables.binds[index], out)  # the full check: it may diverge
+            if value is None or value.untyped_storage().nbytes() > nbytes:
+                self._bind(index, tables.binds[index], out)  # the full check
         return out
 
-    def _replay_pre(self, index: int) -> None:
+    def _replay_pre(self, index: int, predicted: int = 0) -> None:
         tables, residency = self.tables, self.residency
         actions = tables.pre[index]
+        made = tables.made[index]
+        if predicted > made:
+            made = predicted
         if actions:
-            room = tables.pre_net[index] + tables.made[index]
-            if residency.resident_bytes + room > tables.limit:
+            room = (self._live_net(actions) if self.grown else tables.pre_net[index]) + made
+            if residency.resident_bytes + room > self.limit:
                 self._hold_peak(index, room)  # before reloads and recomputes allocate
             for action in actions:
                 self._apply(action)
@@ -91,8 +108,8 @@ class ReplayPath:
             ]
             if away:
                 # Paged in (or recomputed) on demand: make room first.
-                room = sum(e.nbytes for e in away if not e.resident) + tables.made[index]
-                if residency.resident_bytes + room > tables.limit:
+                room = sum(e.nbytes for e in away if not e.resident) + made
+                if residency.resident_bytes + room > self.limit:
                     self._hold_peak(index, room)
                 for entry in away:
                     residency.ready(entry)
@@ -100,8 +117,7 @@ class ReplayPath:
             entry = residency.by_sid.get(sid)
             if entry is not None and (entry.host is not None or entry.recipe is not None):
                 residency.written(entry)
-        made = tables.made[index]
-        if residency.resident_bytes + made > tables.limit:
+        if residency.resident_bytes + made > self.limit:
             self._hold_peak(index, made)
 
     def _replay_post(
@@ -112,46 +128,81 @@ class ReplayPath:
         args: tuple = (),
         kwargs: dict | None = None,
     ) -> None:
-        tables, residency = self.tables, self.residency
-        binds = tables.binds[index]
+        binds = self.tables.binds[index]
         if binds and not self._bind(index, binds, out):
             return
+        tables, residency = self.tables, self.residency  # a growth may have changed them
         recipes = tables.recipes[index]
         if recipes and func is not None:
             keep_recipes(recipes, residency.by_sid, tables.names[index], func, args, kwargs or {})
         actions = tables.post[index]
         if actions:
-            room = tables.post_net[index]
-            if residency.resident_bytes + room > tables.limit:
+            room = self._live_net(actions) if self.grown else tables.post_net[index]
+            if residency.resident_bytes + room > self.limit:
                 self._hold_peak(index, room)
             for action in actions:
                 self._apply(action)
         drops = tables.drops[index]
         if drops:
             drop_recipes(drops, residency.by_sid)
-        if residency.resident_bytes > tables.limit:
+        if residency.resident_bytes > self.limit:
             self._hold_peak(index, 0)
 
     def _bind(self, index: int, binds: tuple[tuple[int, int, int, bool], ...], out: Any) -> bool:
-        """Register the storages op ``index`` made, at their recorded output positions."""
+        """Register the storages op ``index`` made, at their recorded output positions (at
+        their live sizes: a storage larger than planned switches the entry to growth)."""
         residency = self.residency
         leaves = (out,) if type(out) is torch.Tensor else tree_leaves(out)
         for position, sid, nbytes, register in binds:
             value = leaves[position] if position < len(leaves) else None
             if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
-                storage = None
-            else:
-                storage = value.untyped_storage()
-            if storage is None or storage.nbytes() != nbytes:
                 # Its outputs stay untracked (never offloaded): safe, just not in budget.
-                self._diverge(f"op {index} ({self.tables.names[index]}) made other outputs")
+                self._fall_back(
+                    f"op {index} ({self.tables.names[index]}) made other outputs", seed=False
+                )
                 return False
+            storage = value.untyped_storage()
+            live = storage.nbytes()
+            if live > nbytes and live > self.grown.get(sid, 0) and self._grew(sid, live):
+                return self._bind(index, self.tables.binds[index], out)  # now all of them
             if not register:
                 continue
             known = residency.by_sid.get(sid)
             if known is None or not known.alive:
-                residency.track_sid(storage, sid, index)
+                residency.track_sid(storage, sid, index, nbytes)
         return True
+
+    def _grew(self, sid: int, live: int) -> bool:
+        """Storage ``sid`` came out at ``live`` bytes, more than planned. Returns whether
+        the entry switched to tables that register every storage (bind again)."""
+        first = not self.grown
+        self.grown[sid] = live
+        if not first:
+            return False
+        logger.info(
+            "activation storage %d is larger than planned (%d bytes): the replay holds the "
+            "budget on live sizes, and re-plans at the end",
+            sid,
+            live,
+        )
+        registered_all = self.tables.track_all
+        self._count_unseen(self.plan, self.op)  # this op's storages are registered next
+        self._follow(self.plan)  # the same plan, every storage registered, the budget held
+        return not registered_all
+
+    def _live_net(self, actions: tuple[Action, ...]) -> int:
+        """Bytes ``actions`` allocate less those they release, at the storages' live sizes."""
+        by_sid = self.residency.by_sid
+        net = 0
+        for action in actions:
+            entry = by_sid.get(action.storage_id)
+            if entry is None or not entry.alive:
+                continue
+            if action.kind in (_H2D, _RECOMPUTE) and not entry.resident:
+                net += entry.nbytes
+            elif action.kind is _RELEASE and entry.resident:
+                net -= entry.nbytes
+        return net
 
     def _apply(self, action: Action) -> None:
         residency = self.residency
@@ -207,7 +258,7 @@ class ReplayPath:
         until the live bytes and ``room`` more fit under the plan's simulated peak."""
         residency, tables = self.residency, self.tables
         touched = set(tables.touched[index])
-        limit = tables.limit - room
+        limit = self.limit - room
         if residency.resident_bytes <= limit:
             return
         uses = tables.uses

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,9 @@ class HostPool:
     """Host buffers for offloaded activations: exact sizes, reused by size, capped.
 
     Replays offload the same sizes every step, so a free list per exact size serves them
-    without new allocations (and, on CUDA, without registering new pages). A buffer comes
+    without new allocations (and, on CUDA, without registering new pages). A storage
+    smaller than its plan's size (a shorter sequence) takes a buffer of the plan's size and
+    fills the front of it. A buffer comes
     back with the tickets of the copies that last used it and is handed out again only once
     they are done: a finished one is preferred, and the host waits only when none is.
     """
@@ -85,6 +87,16 @@ class HostPool:
     def clear(self) -> None:
         self._free.clear()
 
+    def keep_only(self, sizes: Container[int]) -> None:
+        """Free the idle buffers of every size not in ``sizes``: no plan takes them again
+        (a plan made again for larger storages takes buffers of the larger sizes)."""
+        for size in [s for s in self._free if s not in sizes]:
+            for _, tickets in self._free.pop(size):
+                for ticket in tickets:
+                    # The buffer is freed now: no copy may still be using it.
+                    self.runtime.host_wait(ticket)
+                self.allocated -= size
+
 
 @dataclass(eq=False, slots=True)
 class Tracked:
@@ -98,6 +110,7 @@ class Tracked:
     alive: bool = True
     host: torch.Tensor | None = None
     host_valid: bool = False  # the host copy equals the device bytes
+    capacity: int = 0  # bytes of the host buffer to take: the plan's size when larger
     d2h: Any = None  # ticket of a copy out still reading the storage
     h2d: Any = None  # ticket of a copy in still writing it
     recipe: Any = None  # how to regenerate it without a host copy (replay.Recipe)
@@ -136,10 +149,17 @@ class Residency:
         self._add(entry.nbytes)
         return entry
 
-    def track_sid(self, storage: torch.UntypedStorage, sid: int, op: int) -> Tracked:
+    def track_sid(
+        self, storage: torch.UntypedStorage, sid: int, op: int, capacity: int = 0
+    ) -> Tracked:
         """``track`` for a replay, which knows its storages by id only: no lookup by storage,
-        and a plain weak reference reports the death (cheaper than ``weakref.finalize``)."""
-        entry = Tracked(sid, storage.nbytes(), op, None)  # type: ignore[arg-type]
+        and a plain weak reference reports the death (cheaper than ``weakref.finalize``).
+
+        ``capacity``: the storage's size in the plan. A storage smaller than planned (a
+        shorter sequence) takes host buffers of the planned size, so the pool hands out
+        the same buffers whatever the step's sizes.
+        """
+        entry = Tracked(sid, storage.nbytes(), op, None, capacity=capacity)  # type: ignore[arg-type]
         died = self._died
         entry.ref = weakref.ref(storage, lambda _ref: died(entry))
         self.by_sid[sid] = entry
@@ -190,7 +210,8 @@ class Residency:
             return True
         if entry.host is None:
             try:
-                entry.host = self.pool.acquire(entry.nbytes)
+                size = entry.nbytes if entry.nbytes >= entry.capacity else entry.capacity
+                entry.host = self.pool.acquire(size)
             except MemoryError:
                 if not self.pool.exhausted:  # once per session: it repeats every step
                     logger.warning(
@@ -202,7 +223,10 @@ class Residency:
             if entry.host is None:
                 self.host_cap_refusals += 1
                 return False
-        entry.d2h = self.runtime.copy_out(storage, entry.host)
+        host = entry.host
+        if host.numel() != entry.nbytes:  # a buffer of the plan's larger size
+            host = host[: entry.nbytes]
+        entry.d2h = self.runtime.copy_out(storage, host)
         entry.host_valid = True
         self.d2h_bytes += entry.nbytes
         return True
@@ -236,7 +260,10 @@ class Residency:
             self.recompute(entry)
             return
         storage.resize_(entry.nbytes)
-        ticket = self.runtime.copy_in(storage, entry.host)
+        host = entry.host
+        if host.numel() != entry.nbytes:  # a buffer of the plan's larger size
+            host = host[: entry.nbytes]
+        ticket = self.runtime.copy_in(storage, host)
         # Marked resident only once the copy is issued: a failure before leaves it released.
         entry.h2d, entry.resident = ticket, True
         self.pending_in.add(entry.sid)

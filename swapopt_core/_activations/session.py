@@ -43,8 +43,10 @@ class OffloadStats:
         d2h_bytes: Bytes copied device to host.
         h2d_bytes: Bytes copied host to device (prefetches and demand fetches).
         warmups: Entries that traced (the first, and each re-trace).
-        replays: Entries that ran the plan to the end.
-        retraces: Replays that diverged from the trace and fell back to warmup.
+        replays: Entries that ran a kept plan to the end (after switching between kept
+            plans, and with storages larger than planned, included).
+        retraces: Replays that diverged from the trace and fell back to warmup (a new op
+            sequence, recorded and planned), or that left their plan without recording.
         host_peak_bytes: Highest host bytes held for offloaded activations.
         host_cap_refusals: Offloads refused because ``max_offload_activation_mb`` was reached
             (the storage stayed on the device).
@@ -61,6 +63,11 @@ class OffloadStats:
             end of an entry).
         demand_recomputes: The part of ``recomputes`` that no ``RECOMPUTE`` action asked
             for: an op needed the storage first.
+        replans: Replays in which storages came out larger than planned, after which the
+            op sequence was planned again for the larger sizes (no warmup).
+        plan_switches: Times a replay left its plan for another kept plan that goes on with
+            the step's ops (alternating op sequences: gradient accumulation).
+        plans_kept: Plans (distinct op sequences) the session keeps now, at most 4.
     """
 
     peak_resident_activation_bytes: int
@@ -77,6 +84,9 @@ class OffloadStats:
     gradient_bytes: int = 0
     recomputes: int = 0
     demand_recomputes: int = 0
+    replans: int = 0
+    plan_switches: int = 0
+    plans_kept: int = 0
 
 
 class OffloadSession:
@@ -87,8 +97,11 @@ class OffloadSession:
     to host memory and paging them back when needed. On exit the planner turns the trace
     into a schedule. Later entries **replay** the schedule: copies out start right after
     each activation's last write and copies back start just early enough, on a stream per
-    direction. A step whose ops differ from the trace falls back without a plan; the
-    session's ``Executor`` decides when to trace again (``_activations/executor.py``).
+    direction. The session keeps a plan per distinct op sequence (gradient accumulation
+    alternates two), goes on with another kept plan when a step leaves the one it replays,
+    and otherwise falls back to a warmup that records the rest of the step; a plan holds the
+    largest size of each storage seen and is made again when a step's storages are larger
+    (dynamic padding). The session's ``Executor`` decides (``_activations/executor.py``).
     ``trace`` and ``schedule`` are the plan, and ``load_plan`` replays one saved as JSON.
     Results are the same bits as without the session.
 
@@ -134,12 +147,14 @@ class OffloadSession:
 
     @property
     def trace(self) -> ActivationTrace | None:
-        """The step the plan was made for: the last warmup's trace, or a loaded one."""
+        """The step the most recently used plan was made for (a warmup's trace, or a
+        loaded one); the session may keep plans for other op sequences too."""
         return self._executor.trace
 
     @property
     def schedule(self) -> ResidencySchedule | None:
-        """The plan later entries replay; ``None`` until a warmup (or after a dropped plan)."""
+        """The schedule of the most recently used plan; ``None`` until a warmup (or after
+        the last kept plan was dropped)."""
         return self._executor.schedule
 
     def load_plan(self, trace: ActivationTrace, schedule: ResidencySchedule) -> None:
@@ -148,7 +163,8 @@ class OffloadSession:
         Use it to reuse a plan from an earlier run, or one ``swapopt plan`` made from a saved
         trace: ``ActivationTrace.from_json`` and ``ResidencySchedule.from_json`` read them
         back. The replay follows the schedule (not this session's budget) and falls back as
-        any replay does when the step's ops differ from the trace.
+        any replay does when the step's ops differ from the trace. The loaded plan joins the
+        plans the session keeps, and the next entry starts with it.
 
         Raises:
             TypeError: ``trace`` or ``schedule`` has the wrong type.
@@ -218,6 +234,9 @@ class OffloadSession:
             gradient_bytes=counts["gradients"],
             recomputes=counts["recomputes"],
             demand_recomputes=counts["demand_recomputes"],
+            replans=counts["replans"],
+            plan_switches=counts["switches"],
+            plans_kept=len(executor.book),
         )
 
     # ---- opaque regions ------------------------------------------------------------------

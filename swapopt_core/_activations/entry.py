@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from swapopt_core._activations.gradients import GradientWatch
 from swapopt_core._activations.guards import CompileWatch, compiled_refusal
-from swapopt_core._activations.recording import call_devices, fresh_outputs
+from swapopt_core._activations.recording import InferenceWatch, call_devices, fresh_outputs
 from swapopt_core._activations.replay import tables_for
 from swapopt_core._activations.replay_path import ReplayPath
 from swapopt_core._activations.residency import Residency
@@ -150,6 +150,7 @@ class Entry(ReplayPath):
         self.compiled = CompileWatch()
         self.pinned: set[int] = set()  # storages the warmup saw shared outside torch
         self.gradients = GradientWatch(self)  # parameter gradients: not activations
+        self.inference = InferenceWatch()  # marked ops whose inference-mode input changes
 
     def _start(self, inputs: object) -> None:
         """The first op: take the runtime that serves the device its tensors are on."""
@@ -180,9 +181,11 @@ class Entry(ReplayPath):
             if index < self.ops_planned and name == self.tables.names[index]:
                 return self._replay(index, func, args, kwargs)
             self._diverge(f"op {index} is {name}")
-        opened = self._begin(name, (args, kwargs), _written(func, args, kwargs))
+        written = _written(func, args, kwargs)
+        opened = self._begin(name, (args, kwargs), written)
         if self.recording:
             opened.devices = call_devices(func, args, kwargs)
+            self.inference.note(opened.index, (args, kwargs), written, opened.devices is not None)
         return self._end(opened, func(*args, **kwargs))
 
     def _matches(self, name: str) -> bool:
@@ -348,10 +351,10 @@ class Entry(ReplayPath):
 
     def trace_ops(self) -> list[TraceOp]:
         """The recorded ops with their durations (needs every stamp to be complete)."""
-        runtime = self.runtime
+        runtime, spoiled = self.runtime, self.inference.spoiled
         return [
-            TraceOp(name, runtime.elapsed_ms(start, end), accesses, recompute)
-            for name, start, end, accesses, recompute in self.ops
+            TraceOp(name, runtime.elapsed_ms(start, end), accesses, recompute and i not in spoiled)
+            for i, (name, start, end, accesses, recompute) in enumerate(self.ops)
         ]
 
     def storage_sizes(self) -> dict[int, int]:

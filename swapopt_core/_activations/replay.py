@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from swapopt_core._activations.recording import live_refusal
 from swapopt_core._activations.residency import Tracked
 from swapopt_core._activations.runtime import byte_view
 from swapopt_core._planning.ir import (
@@ -264,8 +265,12 @@ class Recipe:
     ) -> None:
         self.sid, self.name, self.func = sid, name, func
         self.args, self.kwargs, self.position, self.inputs = args, kwargs, position, inputs
+        # A tensor made under inference mode has no version counter: it can change only by
+        # an in-place write inside inference mode, which the warmup saw (recording.py).
         self.versions = tuple(
-            (t, t._version) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+            (t, t._version)
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and not t.is_inference()
         )
 
     def intact(self) -> bool:
@@ -311,14 +316,39 @@ def keep_recipes(
     func: Any,
     args: tuple,
     kwargs: dict,
+    out: Any,
 ) -> None:
-    """Attach a recipe to each storage in ``specs`` that op ``func`` just made."""
+    """Attach a recipe to each storage in ``specs`` that op ``func`` just made (it returned
+    ``out``), once the live call passes the tracer's rules (``recording.live_refusal``): a
+    trace read back from JSON may mark an op that cannot repeat its bits. A storage refused
+    a recipe is never released without a host copy: it stays, or is copied out."""
+    why = live_refusal(func, args, kwargs, out)
+    if why:
+        _refuse(name, func, why)
+        return
     for spec in specs:
         entry = by_sid.get(spec.sid)
         if entry is None or not entry.alive:
             continue
         inputs = tuple(e for sid in spec.inputs if (e := by_sid.get(sid)) is not None)
         entry.recipe = Recipe(spec.sid, name, func, args, kwargs, spec.position, inputs)
+
+
+_REFUSED: set[tuple[str, str]] = set()  # (op, why) already reported
+
+
+def _refuse(name: str, func: Any, why: str) -> None:
+    level = logging.DEBUG if (name, why) in _REFUSED else logging.WARNING
+    _REFUSED.add((name, why))
+    logger.log(
+        level,
+        "the trace marks %s recompute, but the op that ran (%s) %s: its outputs are kept or "
+        "copied instead of recomputed (same bits, more memory or link time). Record the "
+        'trace again, or set that op\'s "recompute" to false.',
+        name,
+        func,
+        why,
+    )
 
 
 def drop_recipes(sids: tuple[int, ...], by_sid: dict[int, Tracked]) -> None:

@@ -118,7 +118,9 @@ class ReplayPath:
             return
         recipes = tables.recipes[index]
         if recipes and func is not None:
-            keep_recipes(recipes, residency.by_sid, tables.names[index], func, args, kwargs or {})
+            keep_recipes(
+                recipes, residency.by_sid, tables.names[index], func, args, kwargs or {}, out
+            )
         actions = tables.post[index]
         if actions:
             room = tables.post_net[index]

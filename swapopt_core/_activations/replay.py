@@ -32,6 +32,7 @@ from swapopt_core._planning.ir import (
     ActivationTrace,
     ResidencySchedule,
 )
+from swapopt_core._planning.recipes import drop_op, wants_recipe
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +89,9 @@ class ReplayTables:
         self.names = [op.name for op in ops]
         self.pre = [tuple(schedule.pre.get(i, _NONE)) for i in range(count)]
         self.post = [tuple(schedule.post.get(i, _NONE)) for i in range(count)]
-        acted: dict[int, set[ActionKind]] = {}
-        last_action: dict[int, dict[ActionKind, int]] = {}
+        acted: dict[int, list[tuple[int, ActionKind]]] = {}  # sid -> (op, kind), in order
         for _, op, action in schedule.actions():
-            acted.setdefault(action.storage_id, set()).add(action.kind)
-            last_action.setdefault(action.storage_id, {})[action.kind] = op
+            acted.setdefault(action.storage_id, []).append((op, action.kind))
         specs = _recipe_specs(trace, acted)
         self.track_all = len(schedule) > 0
         needed = set(acted)
@@ -127,7 +126,7 @@ class ReplayTables:
         drops: list[list[int]] = [[] for _ in range(count)]
         for spec in specs.values():
             recipes[spec.producer].append(spec)
-            drops[_drop_op(spec.sid, last_action, last_access)].append(spec.sid)
+            drops[drop_op(acted[spec.sid], last_access.get(spec.sid, 0))].append(spec.sid)
         self.recipes = [tuple(r) for r in recipes]
         self.drops = [tuple(d) for d in drops]
         self.busy = [
@@ -162,16 +161,11 @@ def _net(actions: tuple, sizes: dict[int, int]) -> int:
 
 
 def _recipe_specs(
-    trace: ActivationTrace, acted: dict[int, set[ActionKind]]
+    trace: ActivationTrace, acted: dict[int, list[tuple[int, ActionKind]]]
 ) -> dict[int, _RecipeSpec]:
-    """The storages a recipe is kept for: those with a ``RECOMPUTE``, or released without
-    ever being copied out, whose first access is the write of an op marked recompute."""
-    wanted = {
-        sid
-        for sid, kinds in acted.items()
-        if ActionKind.RECOMPUTE in kinds
-        or (ActionKind.RELEASE_DEVICE in kinds and ActionKind.COPY_D2H not in kinds)
-    }
+    """The storages a recipe is kept for (``recipes.wants_recipe``) whose first access is
+    the write of an op marked recompute."""
+    wanted = {sid for sid, done in acted.items() if wants_recipe({kind for _, kind in done})}
     specs: dict[int, _RecipeSpec] = {}
     seen: set[int] = set()
     sizes = trace.storage_sizes
@@ -190,19 +184,6 @@ def _recipe_specs(
                 )
                 specs[sid] = _RecipeSpec(sid, index, access.output, inputs)
     return specs
-
-
-def _drop_op(
-    sid: int, last_action: dict[int, dict[ActionKind, int]], last_access: dict[int, int]
-) -> int:
-    """After which op the recipe of ``sid`` can go: its last planned recompute, unless the
-    plan releases it again after that (then at its last access)."""
-    kinds = last_action.get(sid, {})
-    recompute = kinds.get(ActionKind.RECOMPUTE)
-    release = kinds.get(ActionKind.RELEASE_DEVICE)
-    if recompute is None or (release is not None and release >= recompute):
-        return max(last_access.get(sid, 0), recompute or 0)
-    return recompute
 
 
 def _simulated_peak(trace: ActivationTrace, schedule: ResidencySchedule) -> float:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.ir import ActionKind
+from swapopt_core._planning.recipes import RecipeLife
 
 __all__ = ["CopySpan", "Machine", "RecomputeSpan", "SimulationResult"]
 
@@ -98,7 +100,13 @@ class Machine:
     """The device model, one step at a time. ``simulate`` drives it with a schedule; the
     planner drives it with its own decisions, so both follow the same rules."""
 
-    def __init__(self, index: TraceIndex, *, record: bool = True) -> None:
+    def __init__(
+        self,
+        index: TraceIndex,
+        *,
+        record: bool = True,
+        recipes: Mapping[int, RecipeLife] | None = None,
+    ) -> None:
         trace = index.trace
         self.ix = index
         self.bw_d2h = trace.d2h_bandwidth_gbps * 1e6  # bytes per ms
@@ -126,6 +134,16 @@ class Machine:
         self.copies: list[CopySpan] = []
         self.op_start: list[float] = []
         self.recomputed: list[RecomputeSpan] = []
+        # The replay's recipes (``recipes.py``): each holds its producer's inputs alive.
+        self.recipes: Mapping[int, RecipeLife] = recipes or {}
+        self.taken: dict[int, list[int]] = {}  # producer op -> storages whose recipe it takes
+        self.drops: dict[int, list[int]] = {}  # drop op -> storages whose recipe goes then
+        for sid, life in self.recipes.items():
+            self.taken.setdefault(life.producer, []).append(sid)
+            self.drops.setdefault(life.drop, []).append(sid)
+        self.live_recipes: set[int] = set()
+        self.holders: dict[int, int] = {}  # storage -> live recipes that hold it
+        self.held: set[int] = set()  # past its last access, alive only for recipes
 
     def _alloc(self, nbytes: int, at: float) -> None:
         pending = self.pending
@@ -164,18 +182,22 @@ class Machine:
         until = self.done if upto is None else upto
         if self._written(sid, op, until):
             return False
+        held = sid in self.live_recipes  # its recipe keeps the inputs alive
         for x in ix.recompute_inputs[sid]:
             if x in self.dead or self._written(x, op, until):
                 return False
-            if upto is not None and x not in ix.retained and ix.last[x] <= upto:
+            if upto is not None and not held and x not in ix.retained and ix.last[x] <= upto:
                 return False  # freed before the storage is needed again
         return True
 
     def _needed_until(self, sid: int) -> int:
-        """The op before the next access of ``sid`` (the last op for a kept output)."""
+        """The op before the next access of ``sid`` (the last op for a kept output; now,
+        for a storage past its last access that only recipes hold)."""
         ops = [op for op, _ in self.ix.by_storage.get(sid, ())]
         k = bisect_right(ops, self.done)
-        return ops[k] - 1 if k < len(ops) else self.ix.n - 1
+        if k < len(ops):
+            return ops[k] - 1
+        return self.ix.n - 1 if sid in self.ix.retained else self.done
 
     def _known(self, sid: int, where: str, kind: ActionKind) -> int:
         size = self.ix.sizes.get(sid)
@@ -205,7 +227,8 @@ class Machine:
     def release_device(self, sid: int, where: str) -> None:
         size = self._known(sid, where, _RELEASE)
         if sid not in self.on_device or not (
-            self.host.get(sid) or self.recomputable(sid, self._needed_until(sid))
+            self.host.get(sid)
+            or (sid in self.live_recipes and self.recomputable(sid, self._needed_until(sid)))
         ):
             self.ignored += 1
             return
@@ -337,18 +360,46 @@ class Machine:
         self.op_start.append(waited)
         self.t = waited + ix.durations[i]
         self.done = i
+        for sid in self.taken.get(i, ()):
+            if sid in self.on_device:  # the replay takes the recipe as the op returns
+                self.live_recipes.add(sid)
+                for x in self.recipes[sid].inputs:
+                    self.holders[x] = self.holders.get(x, 0) + 1
 
     def natural_free(self, i: int) -> None:
-        sizes = self.ix.sizes
+        """After op ``i``'s post actions: recipes whose drop op it is go (those of storages
+        off the device without a host copy stay until they die), then the storages whose
+        last access it is die, unless a recipe holds them."""
+        for sid in self.drops.get(i, ()):
+            if sid in self.live_recipes and (sid in self.on_device or self.host.get(sid)):
+                self._let_go(sid)
         for sid in self.ix.freed_at[i]:
-            self.dead.add(sid)
-            if sid in self.host:
-                del self.host[sid]
-                self.host_bytes -= sizes[sid]
-            if sid in self.on_device:
-                self.on_device.discard(sid)
-                busy = max(self.d2h_end.get(sid, 0.0), self.h2d_end.get(sid, 0.0))
-                self._free(sizes[sid], busy)
+            if self.holders.get(sid):
+                self.held.add(sid)
+            else:
+                self._die(sid)
+
+    def _die(self, sid: int) -> None:
+        size = self.ix.sizes[sid]
+        self.dead.add(sid)
+        self.held.discard(sid)
+        if sid in self.host:
+            del self.host[sid]
+            self.host_bytes -= size
+        if sid in self.on_device:
+            self.on_device.discard(sid)
+            busy = max(self.d2h_end.get(sid, 0.0), self.h2d_end.get(sid, 0.0))
+            self._free(size, busy)
+        if sid in self.live_recipes:
+            self._let_go(sid)
+
+    def _let_go(self, sid: int) -> None:
+        """Drop the recipe of ``sid``: inputs it alone held past their last access die."""
+        self.live_recipes.discard(sid)
+        for x in self.recipes[sid].inputs:
+            self.holders[x] -= 1
+            if not self.holders[x] and x in self.held:
+                self._die(x)
 
     def finish(self) -> None:
         """The step ends once every retained storage is back on the device."""

@@ -63,6 +63,7 @@ from collections.abc import Sequence
 from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 from swapopt_core._planning.machine import CopySpan, Machine, RecomputeSpan, SimulationResult
+from swapopt_core._planning.recipes import recipe_lives
 
 __all__ = [
     "CopySpan",
@@ -103,7 +104,7 @@ def simulate(
             not on the device, or needs a host copy that does not exist.
     """
     ix = index if index is not None else TraceIndex(trace)
-    machine = Machine(ix, record=record)
+    machine = Machine(ix, record=record, recipes=recipe_lives(ix, schedule))
     pre: dict[int, Sequence] = {}
     post: dict[int, Sequence] = {}
     if schedule is not None:

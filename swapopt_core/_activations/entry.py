@@ -13,6 +13,7 @@ When an op does not match the trace, the entry brings everything back and goes o
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,20 @@ def _device_of(inputs: object) -> torch.device:
     return next((d for d in devices if d.type not in ("cpu", "meta")), torch.device("cpu"))
 
 
+class _Deaths:
+    """The op during (or after) which each recorded storage was freed; it holds its entry
+    weakly, so a storage that outlives the step keeps nothing of the entry alive."""
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = weakref.ref(entry)
+        self.at: dict[int, int] = {}
+
+    def note(self, sid: int) -> None:
+        entry = self.entry()
+        if entry is not None and not entry.closed:
+            self.at[sid] = entry.op
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, entry: Entry) -> None:
         super().__init__()
@@ -151,6 +166,7 @@ class Entry(ReplayPath):
         self.pinned: set[int] = set()  # storages the warmup saw shared outside torch
         self.gradients = GradientWatch(self)  # parameter gradients: not activations
         self.inference = InferenceWatch()  # marked ops whose inference-mode input changes
+        self.deaths = _Deaths(self)  # when each recorded storage was freed
 
     def _start(self, inputs: object) -> None:
         """The first op: take the runtime that serves the device its tensors are on."""
@@ -241,6 +257,8 @@ class Entry(ReplayPath):
                 opened.accesses[known.sid] = AccessKind.WRITE
                 continue
             entry = residency.track(storage, self.next_sid, opened.index)
+            if self.recording:
+                weakref.finalize(storage, self.deaths.note, entry.sid)
             self.next_sid += 1
             opened.accesses[entry.sid] = AccessKind.WRITE
             opened.outputs[entry.sid] = position
@@ -356,6 +374,18 @@ class Entry(ReplayPath):
             TraceOp(name, runtime.elapsed_ms(start, end), accesses, recompute and i not in spoiled)
             for i, (name, start, end, accesses, recompute) in enumerate(self.ops)
         ]
+
+    def freed_after(self) -> dict[int, int]:
+        """The op after which each recorded storage that outlived its last access was freed
+        (the caller held it: ``ActivationTrace.freed_after``)."""
+        last: dict[int, int] = {}
+        for index, (_, _, _, accesses, _) in enumerate(self.ops):
+            for access in accesses:
+                last[access.storage_id] = index
+        sizes = self.storage_sizes()
+        return {
+            sid: op for sid, op in self.deaths.at.items() if sid in sizes and op > last.get(sid, op)
+        }
 
     def storage_sizes(self) -> dict[int, int]:
         by_sid = self.residency.by_sid if self.residency is not None else {}

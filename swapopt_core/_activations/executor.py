@@ -232,6 +232,7 @@ class Executor:
             d2h,
             h2d,
             self.min_offload_bytes,
+            entry.freed_after(),
         )
         schedule = _without(self.planner.plan(trace), entry.unmovable())
         self.adopt(trace, schedule)

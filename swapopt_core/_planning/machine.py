@@ -186,7 +186,7 @@ class Machine:
         for x in ix.recompute_inputs[sid]:
             if x in self.dead or self._written(x, op, until):
                 return False
-            if upto is not None and not held and x not in ix.retained and ix.last[x] <= upto:
+            if upto is not None and not held and x not in ix.retained and ix.end[x] <= upto:
                 return False  # freed before the storage is needed again
         return True
 

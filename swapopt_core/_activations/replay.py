@@ -5,11 +5,9 @@ does no more than compare its name, run the actions due and register the storage
 some action needs: nothing parses a schema, walks the accesses or looks a storage up by
 object. The tables are cached per plan (``tables_for``).
 
-A ``Recipe`` is what re-runs the op that made a storage (``RECOMPUTE``): the op, its
-arguments (references to its input tensors, which the plan keeps alive until the
-recompute anyway), where the storage is among its outputs, and the version counter of each
-input tensor, so a storage is released without a host copy only while its inputs are
-unchanged, and a recompute from changed inputs fails instead of giving other bits.
+The tables say which recipes to keep after each op and when to let them go
+(``_planning/recipes.py``); a ``Recipe`` itself, what re-runs the op that made a storage
+(``RECOMPUTE``), lives in ``recipe.py`` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -18,14 +16,8 @@ import logging
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-from torch.utils._pytree import tree_leaves
-
-from swapopt_core._activations.recording import live_refusal
-from swapopt_core._activations.residency import Tracked
-from swapopt_core._activations.runtime import byte_view
+from swapopt_core._activations.recipe import Recipe, drop_recipes, keep_recipes
 from swapopt_core._planning.ir import (
     AccessKind,
     ActionKind,
@@ -217,125 +209,3 @@ def tables_for(trace: ActivationTrace, schedule: ResidencySchedule) -> ReplayTab
         del _CACHE[key]
     _CACHE[id(schedule)] = (weakref.ref(trace), weakref.ref(schedule), shape, tables)
     return tables
-
-
-class Recipe:
-    """How to make one storage's bytes again: re-run the op that made it.
-
-    Args:
-        sid: The storage.
-        name: The op's name (for messages).
-        func: The op (an ``OpOverload``).
-        args: Its positional arguments, as it ran.
-        kwargs: Its keyword arguments.
-        position: Where the storage is among the op's outputs (pytree leaf order).
-        inputs: The registered storages it reads (made ready before it re-runs).
-    """
-
-    __slots__ = ("sid", "name", "func", "args", "kwargs", "position", "inputs", "versions")
-
-    def __init__(
-        self,
-        sid: int,
-        name: str,
-        func: Any,
-        args: tuple,
-        kwargs: dict,
-        position: int,
-        inputs: tuple[Tracked, ...],
-    ) -> None:
-        self.sid, self.name, self.func = sid, name, func
-        self.args, self.kwargs, self.position, self.inputs = args, kwargs, position, inputs
-        # A tensor made under inference mode has no version counter: it can change only by
-        # an in-place write inside inference mode, which the warmup saw (recording.py).
-        self.versions = tuple(
-            (t, t._version)
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and not t.is_inference()
-        )
-
-    def intact(self) -> bool:
-        """Whether no input tensor was modified since the op ran."""
-        return all(t._version == version for t, version in self.versions)
-
-    def run_into(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        """Re-run the op and copy the storage's bytes into ``storage`` (re-allocated here).
-
-        Raises:
-            RuntimeError: An input was modified in place since the op ran, or the op made
-                an output of another size: the bytes would not be the ones it made.
-        """
-        changed = next(((t, v) for t, v in self.versions if t._version != v), None)
-        if changed is not None:
-            raise RuntimeError(
-                f"Cannot recompute activation storage {self.sid} (made by {self.name}): an "
-                f"input of {self.name} was modified in place since it ran (tensor version "
-                f"{changed[1]} -> {changed[0]._version}), so the recomputed bits would differ. "
-                "Mark that op recompute=false in the trace, or plan this storage as an "
-                "offload."
-            )
-        # No autograd graph: the bytes are all that is wanted (and close() runs outside
-        # the dispatch mode, where autograd would record the op).
-        with torch.no_grad():
-            out = self.func(*self.args, **self.kwargs)
-        leaves = tree_leaves(out)
-        value = leaves[self.position] if self.position < len(leaves) else None
-        if not isinstance(value, torch.Tensor) or value.untyped_storage().nbytes() != nbytes:
-            raise RuntimeError(
-                f"Cannot recompute activation storage {self.sid}: {self.name} re-ran but its "
-                f"output {self.position} is not a {nbytes}-byte tensor as recorded. Mark that "
-                "op recompute=false in the trace."
-            )
-        storage.resize_(nbytes)
-        byte_view(storage).copy_(byte_view(value.untyped_storage()))
-
-
-def keep_recipes(
-    specs: tuple[_RecipeSpec, ...],
-    by_sid: dict[int, Tracked],
-    name: str,
-    func: Any,
-    args: tuple,
-    kwargs: dict,
-    out: Any,
-) -> None:
-    """Attach a recipe to each storage in ``specs`` that op ``func`` just made (it returned
-    ``out``), once the live call passes the tracer's rules (``recording.live_refusal``): a
-    trace read back from JSON may mark an op that cannot repeat its bits. A storage refused
-    a recipe is never released without a host copy: it stays, or is copied out."""
-    why = live_refusal(func, args, kwargs, out)
-    if why:
-        _refuse(name, func, why)
-        return
-    for spec in specs:
-        entry = by_sid.get(spec.sid)
-        if entry is None or not entry.alive:
-            continue
-        inputs = tuple(e for sid in spec.inputs if (e := by_sid.get(sid)) is not None)
-        entry.recipe = Recipe(spec.sid, name, func, args, kwargs, spec.position, inputs)
-
-
-_REFUSED: set[tuple[str, str]] = set()  # (op, why) already reported
-
-
-def _refuse(name: str, func: Any, why: str) -> None:
-    level = logging.DEBUG if (name, why) in _REFUSED else logging.WARNING
-    _REFUSED.add((name, why))
-    logger.log(
-        level,
-        "the trace marks %s recompute, but the op that ran (%s) %s: its outputs are kept or "
-        "copied instead of recomputed (same bits, more memory or link time). Record the "
-        'trace again, or set that op\'s "recompute" to false.',
-        name,
-        func,
-        why,
-    )
-
-
-def drop_recipes(sids: tuple[int, ...], by_sid: dict[int, Tracked]) -> None:
-    """Let go of the recipes of ``sids`` (and the inputs they hold), unless one is off the
-    device without a host copy and still needs it."""
-    for sid in sids:
-        entry = by_sid.get(sid)
-        if entry is not None and (entry.resident or entry.host_valid):
-            entry.recipe = None

@@ -1,31 +1,32 @@
-"""Recompute instead of offload: which storages the timed planner regenerates, and how.
+"""Recompute instead of offload: which storages the timed planner regenerates.
 
 A *recompute gap* is a gap ``(a, b)`` of a storage ``s`` (last access ``a``, next reader
 ``b``) whose producer may run again there (``docs/formats.md``, ``RECOMPUTE``): ``s`` is
 released after ``a`` without a host copy and made again right before ``b``, at the price of
-the producer's duration on the compute stream instead of two copies on the link.
+the producer's duration (and of the inputs it revives, ``chains.py``) on the compute stream
+instead of two copies on the link. A *tail* is the stretch after the last access of a storage
+the caller holds longer (``ActivationTrace.freed_after``): released there without a copy, it
+never comes back, at no cost. ``chains.py`` places chosen gaps (pulling and reviving the
+inputs they need) and turns them into a virtual trace the offload placer plans.
 
-**Virtual trace.** A set of chosen gaps becomes a trace in which each of them is an inserted
-op right before ``b``, with the producer's duration, that reads the producer's inputs and
-creates a fresh storage (a new *version* of ``s``, same size) used by the later accesses of
-``s``; the old version dies at ``a``. The offload placer plans that trace as any other: it
-keeps the recompute's inputs on the device at the inserted op (they are accessed there) and
-offloads whatever else the budget needs. The schedule maps back: the inserted op's actions
-around ``RECOMPUTE(s)`` in ``pre[b]``, ``RELEASE_DEVICE(s)`` in ``post[a]`` for the early
-death, actions on versions to ``s``.
+**Choice.** Three searches share one cache of trials, each a full placement replayed by the
+simulator, and the plan is the best trial (in budget first, then the shortest simulated
+step):
 
-**Chains.** When a recompute needs an input that is itself released for a recompute at that
-point (the gated multiply reads the SiLU output), the input's recompute moves to the same
-place, ordered first (producers in trace order).
-
-**Choice.** Only gaps where the budget binds somewhere inside count. They are batched per
-op kind and gap (the op name with its digits ignored and the gap's rank among the storage's
-gaps, so one batch per layer-independent place) and tried cheapest first (producer
-milliseconds per byte, longer gaps first among equals); a batch stays when the replayed
-schedule's time falls. Then each kept batch sheds its gaps that offloading hides best
-(largest link slack first, a half, else a quarter) while that helps, and each rejected batch
-is tried again on its gaps the link hides worst. The search stops early once the overhead is
-negligible or its trials are spent (``MAX_TRIALS``, fewer on long traces).
+- *Greedy.* Only gaps where the budget binds somewhere inside count, and only those cheaper
+  than moving their bytes. They are batched per op kind and gap (the op name with its digits
+  ignored and the gap's rank among the storage's gaps, so one batch per layer-independent
+  place) and tried cheapest first (milliseconds per byte, longer gaps first among equals); a
+  batch stays when the replayed schedule's time falls. Then each kept batch sheds its gaps
+  that offloading hides best (largest link slack first, a half, else a quarter) while that
+  helps, and each rejected batch is tried again on its gaps the link hides worst. It stops
+  early once the overhead is negligible or its trials are spent (``MAX_TRIALS``, fewer on
+  long traces).
+- *Checkpoint-like choices* (``segments.py``): everything the forward makes and the backward
+  reads, recomputed from segment inputs found in the trace, for a few segment sizes. Per-block
+  activation checkpointing is one of them, so the planner never ends worse than it.
+- *Refinement*, when a checkpoint-like choice wins: it stops recomputing whole batches of it
+  (the costliest per byte first), then halves of one, while that helps (``REFINE_TRIALS``).
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ def test_a_mark_only_the_live_op_refutes_is_copied_not_recomputed(
     session = OffloadSession(OffloadConfig(runtime=runtime_name, min_offload_kib=0))
     session.load_plan(edited, schedule)
     reference, replayed = CustomNoise(), CustomNoise()
-    with caplog.at_level(logging.DEBUG, logger="swapopt_core._activations.replay"):
+    with caplog.at_level(logging.DEBUG, logger="swapopt_core._activations.recipe"):
         for step in range(2):
             x = batch(step)
             torch.manual_seed(step)  # the custom op's noise

@@ -7,16 +7,16 @@ again right before op ``b``. Its inputs must be on the device there:
 - an input released at that point by another chosen gap is recomputed at the same place,
   first (a *pulled* chain: the gated multiply reads the SiLU output);
 - an input the trace frees before ``b`` (or that a chosen *tail* released for good) is
-  *revived*: the replay's recipe of ``s`` holds it
-  alive (``recipes.py``), so the plan releases it without a copy after its last access,
-  makes it again right before ``s``'s recompute (its own inputs by the same rules) and
-  releases it again right after the last recompute that reads it. This is what lets a plan
-  regenerate a whole attention block from its input, as activation checkpointing does.
+  *revived*: the replay's recipe of ``s`` holds it alive (``recipes.py``), so the plan
+  releases it without a copy where the trace frees it, makes it again right before ``s``'s
+  recompute (its own inputs by the same rules) and releases it again right after the last
+  recompute that reads it. This is what lets a plan regenerate a whole attention block from
+  its input, as activation checkpointing does.
 
 **Virtual trace.** Each recompute (chosen or revived) becomes an op inserted right before its
 place, with the producer's duration, that reads the current versions of the producer's
 inputs and creates a fresh storage (a new *version*, same size); the old version dies at the
-gap's start (a chosen gap) or at the storage's last access (a revived one). The placer plans
+gap's start (a chosen gap) or where the trace frees the storage (a revived one). The placer plans
 that trace as any other; the schedule maps back: the inserted op's actions around
 ``RECOMPUTE(s)`` in ``pre[b]``, ``RELEASE_DEVICE`` after each early death, and after the
 last inserted op that reads a revived version, actions on versions to their storage.
@@ -187,9 +187,11 @@ def _virtual_trace(
         early[g.a].append(g.sid)
     for p, sids in revived.items():
         before[p].update(sids)
-    for x in sorted({x for sids in revived.values() for x in sids}):
-        if x not in early[ix.last[x]]:  # a recipe needs it later and keeps it: release it
-            early[ix.last[x]].append(x)
+    tailed = {g.sid for g in tails}
+    for x in sorted({x for sids in revived.values() for x in sids} - tailed):
+        # A recipe needs it later and keeps it alive: release it when the trace frees it
+        # (recomputes up to then read it as it is).
+        early[ix.end[x]].append(x)
     current: dict[int, int] = {}  # real sid -> its live version
     sizes = dict(ix.sizes)
     sid_of: dict[int, int] = {}
@@ -230,8 +232,8 @@ def _virtual_trace(
         real_of.append(i)
     retained = frozenset(current.get(s, s) for s in trace.retained_sids)
     # Held past its last access, a storage's last version lives on, unless the plan releases
-    # it there (a tail, a revival).
-    released = {g.sid for g in tails} | {x for sids in revived.values() for x in sids}
+    # it there (a tail).
+    released = tailed
     at = [k for k, real in enumerate(real_of) if real is not None]  # real op -> virtual op
     freed = {current.get(s, s): at[op] for s, op in trace.freed_after.items() if s not in released}
     for g in tails:  # its recipe holds the producer's inputs until it dies

@@ -25,8 +25,9 @@ step):
 - *Checkpoint-like choices* (``segments.py``): everything the forward makes and the backward
   reads, recomputed from segment inputs found in the trace, for a few segment sizes. Per-block
   activation checkpointing is one of them, so the planner never ends worse than it.
-- *Refinement*, when a checkpoint-like choice wins: it stops recomputing whole batches of it
-  (the costliest per byte first), then halves of one, while that helps (``REFINE_TRIALS``).
+- *Refinement* of the best checkpoint-like choice: it stops recomputing whole batches of it
+  (the costliest per byte first), else halves of one, in passes while that helps
+  (``REFINE_TRIALS``).
 """
 
 from __future__ import annotations
@@ -149,8 +150,8 @@ class _Trial:
 MAX_TRIALS = 32
 #: ...and ops placed over all trials, so that long traces stay quick to plan (at least 4).
 MAX_TRIAL_OPS = 60_000
-#: Trials more for improving on a checkpoint-like choice, when one wins.
-REFINE_TRIALS = 12
+#: Trials more for improving on the best checkpoint-like choice.
+REFINE_TRIALS = 40
 #: Cut strides of the checkpoint-like choices (``segments.py``): every cut kept, every
 #: second (per block, in a transformer), third, fourth.
 STRIDES = (1, 2, 3, 4)
@@ -162,9 +163,9 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
     """Choose recompute gaps by replayed cost and return the best schedule found.
 
     Three searches share one cache of trials: the greedy choice by batches (the module
-    docstring), the checkpoint-like choices (``segments.py``), and, when one of those wins,
-    a refinement that stops recomputing whole batches of it (the costliest per byte first)
-    while that helps.
+    docstring), the checkpoint-like choices (``segments.py``), and a refinement of the best
+    of those that stops recomputing whole batches of it (the costliest per byte first) while
+    that helps.
 
     Args:
         ix: The real trace's index.
@@ -202,16 +203,17 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
             )
         return seen[chosen]
 
-    best = _greedy(gaps, trial, seen, trials)
-    greedy = best
+    best = greedy = _greedy(gaps, trial, seen, trials)
     if not _settled(best, seen, math.inf):
         every = recompute_gaps(ix, everything=True)
-        for stride in STRIDES:
-            candidate = trial(frozenset(checkpoint_choices(ix, every, stride)))
-            if candidate.better_than(best):
-                best = candidate
-        if best is not greedy:
-            best = _refine(best, every, trial, seen, len(seen) + REFINE_TRIALS)
+        choices = [trial(frozenset(checkpoint_choices(ix, every, s))) for s in STRIDES]
+        checkpointed = choices[0]
+        for candidate in choices[1:]:
+            if candidate.better_than(checkpointed):
+                checkpointed = candidate
+        refined = _refine(checkpointed, every, trial, seen, len(seen) + REFINE_TRIALS)
+        if refined.better_than(best):
+            best = refined
     logger.debug(
         "recompute: %d gaps chosen after %d trials, overhead %.1f %%%s",
         len(best.chosen),
@@ -260,18 +262,27 @@ def _greedy(gaps: list[RecomputeGap], trial, seen: dict, trials: int) -> _Trial:
 
 
 def _refine(best: _Trial, gaps: list[RecomputeGap], trial, seen: dict, trials: int) -> _Trial:
-    """Stop recomputing whole batches of ``best``'s choice (the costliest per byte first),
-    then half of one (the gaps the link hides best), while that helps."""
-    batches = _batches([g for g in gaps if g in best.chosen])
-    for kind in sorted(batches, key=lambda k: _price(batches[k]), reverse=True):
-        ranked = sorted(batches[kind], key=lambda g: -g.slack)
-        for part in (ranked, ranked[: len(ranked) // 2]):
-            if _settled(best, seen, trials) or not part:
-                break
-            candidate = trial(best.chosen - frozenset(part))
-            if candidate.better_than(best):
-                best = candidate
-                break
+    """Improve ``best`` batch by batch of ``gaps``: stop recomputing a batch it recomputes
+    (the costliest per byte first; all of it, else the half the link hides best), then start
+    recomputing the rest of one (the cheapest first; all, else the half the link hides
+    worst), keeping each move that helps, in passes while one does."""
+    improved = True
+    while improved and not _settled(best, seen, trials):
+        improved = False
+        kept = _batches([g for g in gaps if g in best.chosen])
+        left = _batches([g for g in gaps if g not in best.chosen])
+        moves = [(kept[k], True) for k in sorted(kept, key=lambda k: -_price(kept[k])[0])]
+        moves += [(left[k], False) for k in sorted(left, key=lambda k: _price(left[k]))]
+        for batch, shed in moves:
+            ranked = sorted(batch, key=lambda g: -g.slack if shed else g.slack)
+            for part in (ranked, ranked[: len(ranked) // 2]):
+                if _settled(best, seen, trials) or not part:
+                    break
+                change = frozenset(part)
+                candidate = trial(best.chosen - change if shed else best.chosen | change)
+                if candidate.better_than(best):
+                    best, improved = candidate, True
+                    break
     return best
 
 

@@ -37,11 +37,12 @@ round, so each ratio compares two steps under the same machine load.
 The link is emulated (``SWAPOPT_LOOPBACK_GBPS``) as slow, relative to compute, as an H200's:
 on the synthetic 1b Llama step of ``activation_planner.py`` (650 TFLOP/s, 50 GB/s per
 direction), moving the step's natural activation peak once over one direction takes
-``LINK_RATIO`` (2.6) times the step's compute; the script sets the rate so that the same
-holds for this GPT against its plain step time measured here (``--link-ratio`` overrides).
-On a shared machine the warmup's op durations swing with the load: the planned trace takes
-the median duration of each op over three recorded steps, scaled so that they add up to the
-plain step's median time.
+2.6 times the step's compute; the script sets the rate so that the same holds for this GPT,
+its compute being the time its ops take (``--link-ratio`` overrides). On a GPU the step time
+is that sum (kernels queue ahead of the Python that launches them); on this CPU the step also
+pays Python and autograd between ops, so the link is a little faster relative to the whole
+step than on an H200. On a shared machine the warmup's op durations swing with the load: the
+planned trace takes the median duration of each op over three recorded steps.
 
 Reported per variant: the **peak** of activation bytes over the natural peak (for
 checkpointing: the natural peak of its own recorded step; for the session: the replays'

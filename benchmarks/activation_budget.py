@@ -21,8 +21,8 @@ one warmup and one replay of forward + backward inside an ``OffloadSession``
 * whether the loss and every gradient are **bit-identical** to the same step without a session.
 
 **GPT against checkpointing** (``--only gpt``). The demo's GPT (``swapopt demo``'s model:
-pre-norm blocks with hand-written causal attention and a GELU MLP) with 6 layers, width 256,
-4 heads, sequence 128, batch 8, vocabulary 2048, fp32, one torch thread. Variants, stepped
+pre-norm blocks with hand-written causal attention and a GELU MLP) with 6 layers, width 512
+(``--width``), heads of 64, sequence 128, batch 8, vocabulary 2048, fp32, one torch thread. Variants, stepped
 round by round (forward + backward, ``--rounds`` timed rounds after one untimed one):
 
 * **plain**; **per-block checkpointing** (every block through ``torch.utils.checkpoint``,
@@ -51,12 +51,13 @@ timed rounds of each step's time over its plain twin's), whether every loss and 
 was **bit-identical** to plain, and for the session the plan time and the simulated overhead
 of its plan.
 
-Each ratio comes from one run. The whole script takes two to four minutes on two cores.
+Each ratio comes from one run. The whole script takes about five minutes on two cores, most
+of it the GPT comparison (a minute and a half at ``--width 256``).
 
 Run::
 
     python benchmarks/activation_budget.py
-    python benchmarks/activation_budget.py --only gpt --rounds 9
+    python benchmarks/activation_budget.py --only gpt --rounds 9 --width 256
     python benchmarks/activation_budget.py --only resnet --batch 4 --budgets 0.5
 """
 
@@ -273,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         help="time to move the GPT's natural activation peak one way / its plain step time "
         "(default: the H200's, from the synthetic 1b Llama step, about 2.6)",
     )
+    parser.add_argument(
+        "--width", type=int, default=512, help="the GPT's width (default 512; heads of 64)"
+    )
     parser.add_argument("--json", type=Path, help="write the GPT comparison's raw numbers here")
     args = parser.parse_args(argv)
     console = Console(width=max(110, Console().width))
@@ -287,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         from checkpoint_comparison import compare
         from checkpoint_comparison import render as render_gpt
 
-        result = compare(args.rounds, args.link_ratio)
+        result = compare(args.rounds, args.link_ratio, args.width)
         console.print(render_gpt(result))
         ok &= all(row["identical"] for row in result["variants"].values())
         if args.json:

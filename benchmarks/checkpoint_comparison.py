@@ -23,7 +23,7 @@ MIB = 2**20
 #: Budgets as fractions of the natural activation peak.
 FRACTIONS = (0.7, 0.5, 0.35)
 #: The GPT: demo model, 6 layers.
-VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = 2048, 256, 6, 4, 128, 8
+VOCAB, WIDTH, LAYERS, SEQ, BATCH = 2048, 512, 6, 128, 8  # heads of 64
 
 
 def _import(name: str) -> ModuleType:
@@ -45,7 +45,7 @@ def link_ratio() -> float:
     return ix.natural_peak / (trace.d2h_bandwidth_gbps * 1e6) / ix.total_ms
 
 
-def _model(every: int) -> torch.nn.Module:
+def _model(every: int, width: int = WIDTH) -> torch.nn.Module:
     """The GPT; with ``every`` > 0, every ``every``-th block runs under checkpointing."""
     demo = _import("swapopt_core._cli.demo")
 
@@ -60,7 +60,7 @@ def _model(every: int) -> torch.nn.Module:
             return self.head(self.norm(x))
 
     torch.manual_seed(0)
-    return Checkpointed(vocab=VOCAB, width=WIDTH, layers=LAYERS, heads=HEADS, max_len=SEQ)
+    return Checkpointed(vocab=VOCAB, width=width, layers=LAYERS, heads=width // 64, max_len=SEQ)
 
 
 def _step(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ def _median_trace(traces: list[Any]) -> Any:
     return dataclasses.replace(traces[0], ops=ops)
 
 
-def compare(rounds: int = 7, ratio: float | None = None) -> dict[str, Any]:
+def compare(rounds: int = 7, ratio: float | None = None, width: int = WIDTH) -> dict[str, Any]:
     """Measure every variant (``activation_budget.py``'s docstring)."""
     swapopt = _import("swapopt_core")
     index = _import("swapopt_core._planning.index")
@@ -108,7 +108,7 @@ def compare(rounds: int = 7, ratio: float | None = None) -> dict[str, Any]:
     ratio = link_ratio() if ratio is None else ratio
     torch.set_num_threads(1)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    plain = _model(0)
+    plain = _model(0, width)
     for _ in range(2):
         _run(plain, tokens)
     ref_loss = _run(plain, tokens)
@@ -126,7 +126,7 @@ def compare(rounds: int = 7, ratio: float | None = None) -> dict[str, Any]:
     )
     variants: dict[str, dict[str, Any]] = {"plain": {"model": plain, "peak": natural}}
     for every, label in ((1, "per-block checkpointing"), (2, "every-other-block checkpointing")):
-        model = _model(every)
+        model = _model(every, width)
         peak = index.TraceIndex(_recorded(swapopt, model, tokens, "loopback")).natural_peak
         variants[label] = {"model": model, "peak": peak}
     budgets = {f"session at {f:.0%}": f * natural for f in FRACTIONS}
@@ -195,6 +195,7 @@ def compare(rounds: int = 7, ratio: float | None = None) -> dict[str, Any]:
         "natural_mib": natural / MIB,
         "plain_ms": base * 1e3,
         "compute_ms": compute_ms,
+        "width": width,
         "ratio": ratio,
         "gbps": gbps,
         "measured_gbps": linked.d2h_bandwidth_gbps,
@@ -207,9 +208,9 @@ def compare(rounds: int = 7, ratio: float | None = None) -> dict[str, Any]:
 def render(result: dict[str, Any]) -> Table:
     table = Table(
         title=(
-            f"GPT, {LAYERS} layers, width {WIDTH}, batch {BATCH} x {SEQ}: natural activation "
-            f"peak {result['natural_mib']:.1f} MiB, plain step {result['plain_ms']:.0f} ms "
-            f"({result['compute_ms']:.0f} ms in its ops); "
+            f"GPT, {LAYERS} layers, width {result['width']}, batch {BATCH} x {SEQ}: natural "
+            f"activation peak {result['natural_mib']:.1f} MiB, plain step "
+            f"{result['plain_ms']:.0f} ms ({result['compute_ms']:.0f} ms in its ops); "
             f"loopback-async at {result['gbps'] * 1e3:.1f} MB/s per direction (link/compute "
             f"{result['ratio']:.2f}); step / plain: median over {result['rounds']} rounds of "
             "each step over the plain step run right before it"

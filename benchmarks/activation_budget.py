@@ -22,8 +22,9 @@ one warmup and one replay of forward + backward inside an ``OffloadSession``
 
 **GPT against checkpointing** (``--only gpt``). The demo's GPT (``swapopt demo``'s model:
 pre-norm blocks with hand-written causal attention and a GELU MLP) with 6 layers, width 512
-(``--width``), heads of 64, sequence 128, batch 8, vocabulary 2048, fp32, one torch thread. Variants, stepped
-round by round (forward + backward, ``--rounds`` timed rounds after one untimed one):
+(``--width``), heads of 64, sequence 128, batch 8, vocabulary 2048, fp32, one torch thread.
+Variants, stepped round by round (forward + backward, ``--rounds`` timed rounds after one
+untimed one):
 
 * **plain**; **per-block checkpointing** (every block through ``torch.utils.checkpoint``,
   ``use_reentrant=False``) and **every-other-block checkpointing**;

@@ -179,7 +179,7 @@ def _out_variant(
         with torch.no_grad():
             variant(*args, **kwargs, **scratch)
         same = all(
-            torch.equal(scratch[name], v) and scratch[name].stride() == v.stride()
+            scratch[name].stride() == v.stride() and _same_bits(scratch[name], v)
             for name, v in zip(names, outputs, strict=True)
         )
         if not same:
@@ -187,6 +187,17 @@ def _out_variant(
             found = None
     _VARIANTS[key] = found
     return found
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (``torch.equal`` takes -0.0 for 0.0 and NaN for unequal)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def _find_variant(func: Any, count: int) -> tuple[Any, tuple[str, ...]] | None:

@@ -1,14 +1,14 @@
 """Activation budget benchmark: a ResNet-18 step on the CPU loopback runtime under 50 % and
-25 % of its natural activation peak.
+25 % of its natural activation peak, and a 6-layer GPT on an emulated slow link, the session
+against activation checkpointing.
 
-The model is defined here (no torchvision): a 7x7 stride-2 stem with batch norm, ReLU and a
-3x3 max pool, four stages of two basic blocks (two 3x3 convolutions with batch norm, an
-identity shortcut or a 1x1 projection where the shape changes) at 64, 128, 256 and 512
-channels, global average pooling and a 1000-way linear head: about 11.7 M parameters.
-
-For each batch (default 2 and 8 images) and budget the script runs one warmup and one replay
-of forward + backward inside an ``OffloadSession`` (``runtime="loopback"``, default
-``min_offload_kib``) and reports:
+**ResNet-18** (``--only resnet``). The model is defined here (no torchvision): a 7x7 stride-2
+stem with batch norm, ReLU and a 3x3 max pool, four stages of two basic blocks (two 3x3
+convolutions with batch norm, an identity shortcut or a 1x1 projection where the shape
+changes) at 64, 128, 256 and 512 channels, global average pooling and a 1000-way linear head:
+about 11.7 M parameters. For each batch (default 2 and 8 images) and budget the script runs
+one warmup and one replay of forward + backward inside an ``OffloadSession``
+(``runtime="loopback"``, default ``min_offload_kib``) and reports:
 
 * the **natural peak**: the most activation bytes resident at once with no budget (the trace
   of an unbounded warmup, ``TraceIndex.natural_peak``), and the **floor**
@@ -20,18 +20,53 @@ of forward + backward inside an ``OffloadSession`` (``runtime="loopback"``, defa
   (the larger of the budget and the floor);
 * whether the loss and every gradient are **bit-identical** to the same step without a session.
 
-Each ratio comes from one run. The whole script takes about a minute on two cores.
+**GPT against checkpointing** (``--only gpt``). The demo's GPT (``swapopt demo``'s model:
+pre-norm blocks with hand-written causal attention and a GELU MLP) with 6 layers, width 512
+(``--width``), heads of 64, sequence 128, batch 8, vocabulary 2048, fp32, one torch thread.
+Variants, stepped round by round (forward + backward, ``--rounds`` timed rounds after one
+untimed one):
+
+* **plain**; **per-block checkpointing** (every block through ``torch.utils.checkpoint``,
+  ``use_reentrant=False``) and **every-other-block checkpointing**;
+* the **session** on ``runtime="loopback-async"`` at 70 / 50 / 35 % of the natural
+  activation peak and at each checkpointing variant's own measured peak, replaying the default
+  planner's plan (``TimedPlanner()``) for the step's trace (``load_plan``).
+
+Every step of a variant runs right after a plain step, variants in a shuffled order each
+round, so each ratio compares two steps under the same machine load.
+
+The link is emulated (``SWAPOPT_LOOPBACK_GBPS``) as slow, relative to compute, as an H200's:
+on the synthetic 1b Llama step of ``activation_planner.py`` (650 TFLOP/s, 50 GB/s per
+direction), moving the step's natural activation peak once over one direction takes
+2.6 times the step's compute; the script sets the rate so that the same holds for this GPT,
+its compute being the time its ops take (``--link-ratio`` overrides). On a GPU the step time
+is that sum (kernels queue ahead of the Python that launches them); on this CPU the step also
+pays Python and autograd between ops, so the link is a little faster relative to the whole
+step than on an H200. On a shared machine the warmup's op durations swing with the load: the
+planned trace takes the median duration of each op over three recorded steps.
+
+Reported per variant: the **peak** of activation bytes over the natural peak (for
+checkpointing: the natural peak of its own recorded step; for the session: the replays'
+``last_peak_resident_activation_bytes``), the **step time** over plain (the median over the
+timed rounds of each step's time over its plain twin's), whether every loss and gradient
+was **bit-identical** to plain, and for the session the plan time and the simulated overhead
+of its plan.
+
+Each ratio comes from one run. The whole script takes about five minutes on two cores, most
+of it the GPT comparison (a minute and a half at ``--width 256``).
 
 Run::
 
     python benchmarks/activation_budget.py
-    python benchmarks/activation_budget.py --batch 4 --budgets 0.5
+    python benchmarks/activation_budget.py --only gpt --rounds 9 --width 256
+    python benchmarks/activation_budget.py --only resnet --batch 4 --budgets 0.5
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -228,13 +263,42 @@ def main(argv: list[str] | None = None) -> int:
         default=[0.5, 0.25],
         help="budgets as fractions of the natural activation peak (default 0.5 0.25)",
     )
+    parser.add_argument(
+        "--only", choices=["resnet", "gpt"], help="run one part (default: both, ResNet first)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=7, help="timed rounds of the GPT comparison (default 7)"
+    )
+    parser.add_argument(
+        "--link-ratio",
+        type=float,
+        help="time to move the GPT's natural activation peak one way / its plain step time "
+        "(default: the H200's, from the synthetic 1b Llama step, about 2.6)",
+    )
+    parser.add_argument(
+        "--width", type=int, default=512, help="the GPT's width (default 512; heads of 64)"
+    )
+    parser.add_argument("--json", type=Path, help="write the GPT comparison's raw numbers here")
     args = parser.parse_args(argv)
     console = Console(width=max(110, Console().width))
     start = time.perf_counter()
-    results = [run(batch, tuple(args.budgets)) for batch in args.batch]
-    render(results, console)
+    ok = True
+    if args.only in (None, "resnet"):
+        results = [run(batch, tuple(args.budgets)) for batch in args.batch]
+        render(results, console)
+        ok &= all(row["identical"] for r in results for row in r["rows"])
+    if args.only in (None, "gpt"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from checkpoint_comparison import compare
+        from checkpoint_comparison import render as render_gpt
+
+        result = compare(args.rounds, args.link_ratio, args.width)
+        console.print(render_gpt(result))
+        ok &= all(row["identical"] for row in result["variants"].values())
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2, default=str))
     console.print(f"ran in {time.perf_counter() - start:.0f} s")
-    return 0 if all(row["identical"] for r in results for row in r["rows"]) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ with another plan the session keeps or falls back to a warmup (``handover.py``).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ from swapopt_core._activations.gradients import GradientWatch
 from swapopt_core._activations.guards import CompileWatch, compiled_refusal
 from swapopt_core._activations.handover import Handover
 from swapopt_core._activations.prediction import fresh_bytes
-from swapopt_core._activations.recording import call_devices, fresh_outputs
+from swapopt_core._activations.recording import InferenceWatch, call_devices, fresh_outputs
 from swapopt_core._activations.replay_path import ReplayPath
 from swapopt_core._activations.residency import Residency
 from swapopt_core._activations.runtime import ActivationRuntime
@@ -91,6 +92,20 @@ def _device_of(inputs: object) -> torch.device:
     return next((d for d in devices if d.type not in ("cpu", "meta")), torch.device("cpu"))
 
 
+class _Deaths:
+    """The op during (or after) which each recorded storage was freed; it holds its entry
+    weakly, so a storage that outlives the step keeps nothing of the entry alive."""
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = weakref.ref(entry)
+        self.at: dict[int, int] = {}
+
+    def note(self, sid: int) -> None:
+        entry = self.entry()
+        if entry is not None and not entry.closed:
+            self.at[sid] = entry.op
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, entry: Entry) -> None:
         super().__init__()
@@ -138,6 +153,8 @@ class Entry(Handover, ReplayPath):
         self.compiled = CompileWatch()
         self.pinned: set[int] = set()  # storages the warmup saw shared outside torch
         self.gradients = GradientWatch(self)  # parameter gradients: not activations
+        self.inference = InferenceWatch()  # marked ops whose inference-mode input changes
+        self.deaths = _Deaths(self)  # when each recorded storage was freed
 
     def _start(self, inputs: object) -> None:
         """The first op: take the runtime that serves the device its tensors are on."""
@@ -169,10 +186,12 @@ class Entry(Handover, ReplayPath):
                 return self._replay(index, func, args, kwargs)
             if self._leave(name):  # another kept plan goes on from here
                 return self._replay(index, func, args, kwargs)
+        written = _written(func, args, kwargs)
         room = fresh_bytes(func, args, kwargs) if self._served(args, kwargs) else 0
-        opened = self._begin(name, (args, kwargs), _written(func, args, kwargs), room)
+        opened = self._begin(name, (args, kwargs), written, room)
         if self.recording:
             opened.devices = call_devices(func, args, kwargs)
+            self.inference.note(opened.index, (args, kwargs), written, opened.devices is not None)
         return self._end(opened, func(*args, **kwargs))
 
     def _matches(self, name: str) -> bool:
@@ -242,6 +261,8 @@ class Entry(Handover, ReplayPath):
                 opened.accesses[known.sid] = AccessKind.WRITE
                 continue
             entry = residency.track(storage, self.next_sid, opened.index)
+            if self.recording:
+                weakref.finalize(storage, self.deaths.note, entry.sid)
             self.next_sid += 1
             opened.accesses[entry.sid] = AccessKind.WRITE
             opened.outputs[entry.sid] = position
@@ -346,11 +367,28 @@ class Entry(Handover, ReplayPath):
     def trace_ops(self) -> list[TraceOp]:
         """The recorded ops with their durations (needs every stamp to be complete), after
         the ops of the plan the entry replayed before it fell back (``seed``)."""
-        runtime = self.runtime
+        runtime, spoiled, first = self.runtime, self.inference.spoiled, len(self.seed)
         return [*self.seed] + [
-            TraceOp(name, runtime.elapsed_ms(start, end), accesses, recompute)
-            for name, start, end, accesses, recompute in self.ops
+            TraceOp(
+                name,
+                runtime.elapsed_ms(start, end),
+                accesses,
+                recompute and first + i not in spoiled,
+            )
+            for i, (name, start, end, accesses, recompute) in enumerate(self.ops)
         ]
+
+    def freed_after(self) -> dict[int, int]:
+        """The op after which each recorded storage that outlived its last access was freed
+        (the caller held it: ``ActivationTrace.freed_after``)."""
+        last: dict[int, int] = {}
+        for index, (_, _, _, accesses, _) in enumerate(self.ops, start=len(self.seed)):
+            for access in accesses:
+                last[access.storage_id] = index
+        sizes = self.storage_sizes()
+        return {
+            sid: op for sid, op in self.deaths.at.items() if sid in sizes and op > last.get(sid, op)
+        }
 
     def storage_sizes(self) -> dict[int, int]:
         """The size of every storage the entry tracked (the planned one where it was

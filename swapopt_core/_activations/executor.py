@@ -35,6 +35,7 @@ from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.cuda_runtime import CudaActivationRuntime
 from swapopt_core._activations.entry import Entry
 from swapopt_core._activations.plans import Plan, PlanBook, canonical, grown
+from swapopt_core._activations.recording import check_marks
 from swapopt_core._activations.residency import HostPool
 from swapopt_core._activations.runtime import ActivationRuntime, RuntimeChoice, resolve_runtime
 from swapopt_core._planning.interface import ResidencyPlanner
@@ -130,8 +131,9 @@ class Executor:
         Raises:
             TypeError: ``trace`` or ``schedule`` has the wrong type.
             ValueError: The trace lacks the output positions a replay binds storages by (only
-                a session records them), or the schedule names ops or storages the trace
-                does not have.
+                a session records them), the schedule names ops or storages the trace does
+                not have, or the trace marks recompute an op the tracer never would
+                (``recording.check_marks``).
         """
         if not isinstance(trace, ActivationTrace):
             raise TypeError(f"trace must be an ActivationTrace, got {type(trace).__name__}.")
@@ -153,6 +155,7 @@ class Executor:
                     "no such storage or op. Pass the schedule planned for this trace "
                     "(swapopt plan --trace ...)."
                 )
+        check_marks(trace)  # a mark a replay would trust: the tracer's rules, by op name
         self.adopt(trace, schedule)
 
     # ---- entries -------------------------------------------------------------------------
@@ -253,6 +256,7 @@ class Executor:
             d2h,
             h2d,
             self.min_offload_bytes,
+            entry.freed_after(),
         )
         trace, (pinned,) = canonical(trace, entry.unmovable())
         schedule = _without(self.planner.plan(trace), pinned)

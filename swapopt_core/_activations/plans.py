@@ -222,6 +222,7 @@ def canonical(
         ops=ops,
         storage_sizes={numbers[sid]: size for sid, size in trace.storage_sizes.items()},
         retained_sids=frozenset(numbers[sid] for sid in trace.retained_sids),
+        freed_after={numbers[sid]: op for sid, op in trace.freed_after.items()},
     )
     sets = [frozenset(numbers[sid] for sid in s if sid in numbers) for s in sid_sets]
     return renamed, sets

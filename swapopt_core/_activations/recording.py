@@ -15,7 +15,13 @@ storage the op made, on a device type among its inputs'). An op passes when:
   accumulation, pooling and upsampling backwards, attention, matmuls and convolutions
   whose algorithm the backend picks), pass only on CPU or with
   ``torch.are_deterministic_algorithms_enabled()``;
-- every tensor it reads or makes is strided, and it moves nothing to another device type.
+- every tensor it reads or makes is strided, and it moves nothing to another device type;
+- it reads no tensor made under ``torch.inference_mode()`` that a later op of the step writes
+  in place (``InferenceWatch``: such tensors have no version counter to tell a replay).
+
+The marks are a contract a trace carries, so a trace read back from JSON is checked again:
+``check_marks`` applies the schema rules to each marked op's name when a session loads a plan,
+and ``live_refusal`` applies them all to the live call when a replay keeps a recipe.
 """
 
 from __future__ import annotations
@@ -27,7 +33,17 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["call_devices", "fresh_outputs", "op_kind"]
+from swapopt_core._planning.ir import AccessKind, ActivationTrace
+
+__all__ = [
+    "InferenceWatch",
+    "call_devices",
+    "check_marks",
+    "fresh_outputs",
+    "live_refusal",
+    "op_kind",
+    "resolve_op",
+]
 
 
 class _Kind(enum.Enum):
@@ -111,51 +127,68 @@ _DEVICE_NONDETERMINISTIC = (
     "mkldnn_",
 )
 
-_CACHE: dict[Any, _Kind] = {}
+_CACHE: dict[Any, tuple[_Kind, str]] = {}
 
 
-def _classify(func: Any) -> _Kind:
+def _classify(func: Any) -> tuple[_Kind, str]:
+    """What the schema of ``func`` allows, and why not when it forbids it."""
     if not isinstance(func, torch._ops.OpOverload) or func.namespace != "aten":
-        return _Kind.NEVER
+        namespace = getattr(func, "namespace", None)
+        where = f"an op of the {namespace!r} namespace" if namespace else "not an aten op"
+        return _Kind.NEVER, f"is {where} (only aten ops are recomputed)"
     schema = func._schema
-    if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
-        return _Kind.NEVER
+    if schema.is_mutable:
+        return _Kind.NEVER, "writes its arguments in place"
+    if any(r.alias_info is not None for r in schema.returns):
+        return _Kind.NEVER, "returns a view of an input"
     tags = func.tags
     if torch.Tag.nondeterministic_seeded in tags:
-        return _Kind.NEVER
+        return _Kind.NEVER, "draws random numbers"
     if any("Generator" in str(argument.type) for argument in schema.arguments):
-        return _Kind.NEVER
+        return _Kind.NEVER, "takes a random number generator"
     packet = schema.name.split("::", 1)[-1]
     if packet.startswith(_HIDDEN_STATE):
-        return _Kind.NEVER
+        return _Kind.NEVER, "reads uninitialised memory or updates hidden state"
     if torch.Tag.nondeterministic_bitwise in tags or packet.startswith(_DEVICE_NONDETERMINISTIC):
-        return _Kind.CPU
-    return _Kind.ALWAYS
+        return _Kind.CPU, ""
+    return _Kind.ALWAYS, ""
+
+
+def _classified(func: Any) -> tuple[_Kind, str]:
+    found = _CACHE.get(func)
+    if found is None:
+        found = _CACHE[func] = _classify(func)
+    return found
 
 
 def op_kind(func: Any) -> _Kind:
     """What the schema of ``func`` allows (cached per ``OpOverload``)."""
-    kind = _CACHE.get(func)
-    if kind is None:
-        kind = _CACHE[func] = _classify(func)
-    return kind
+    return _classified(func)[0]
+
+
+def _call_check(func: Any, args: tuple, kwargs: dict) -> tuple[frozenset[str] | None, str]:
+    """``call_devices`` with the reason of a refusal."""
+    kind, why = _classified(func)
+    if kind is _Kind.NEVER:
+        return None, why
+    devices = set()
+    for value in tree_leaves((args, kwargs)):
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided:
+                return None, f"reads a {value.layout} tensor"
+            devices.add(value.device.type)
+    if kind is _Kind.CPU and devices - {"cpu"} and not torch.are_deterministic_algorithms_enabled():
+        return None, (
+            f"may give other bits on {', '.join(sorted(devices - {'cpu'}))} without "
+            "torch.use_deterministic_algorithms(True)"
+        )
+    return frozenset(devices), ""
 
 
 def call_devices(func: Any, args: tuple, kwargs: dict) -> frozenset[str] | None:
     """Before ``func`` runs: the device types of its tensor inputs if this call may be
     recomputed as far as its schema and inputs tell, else ``None``."""
-    kind = op_kind(func)
-    if kind is _Kind.NEVER:
-        return None
-    devices = set()
-    for value in tree_leaves((args, kwargs)):
-        if isinstance(value, torch.Tensor):
-            if value.layout != torch.strided:
-                return None
-            devices.add(value.device.type)
-    if kind is _Kind.CPU and devices - {"cpu"} and not torch.are_deterministic_algorithms_enabled():
-        return None
-    return frozenset(devices)
+    return _call_check(func, args, kwargs)[0]
 
 
 def fresh_outputs(
@@ -175,17 +208,108 @@ def fresh_outputs(
         tracked: The warmup's tracked storages, each with a ``sid``.
         made: The ids of the storages this op created.
     """
+    return not _stale_output(out, devices, inputs, tracked, made)
+
+
+def _stale_output(
+    out: object,
+    devices: frozenset[str],
+    inputs: Collection[torch.UntypedStorage],
+    tracked: Mapping[torch.UntypedStorage, Any],
+    made: Collection[int],
+) -> str:
+    """Why an output breaks ``fresh_outputs``'s rule, or ``""``."""
     for value in tree_leaves(out):
         if not isinstance(value, torch.Tensor):
             continue
         if value.layout != torch.strided:
-            return False
+            return f"returns a {value.layout} tensor"
         if devices and value.device.type not in devices:
-            return False
+            return f"moves a tensor to {value.device.type}"
         storage = value.untyped_storage()
         if storage in inputs:
-            return False
+            return "returns a tensor in the storage of an input"
         entry = tracked.get(storage)
         if entry is not None and entry.sid not in made:
-            return False
-    return True
+            return "returns a tensor in a storage that existed before it ran"
+    return ""
+
+
+def live_refusal(func: Any, args: tuple, kwargs: dict, out: object) -> str:
+    """Why this call of ``func`` (which returned ``out``) may not be recomputed, or ``""``:
+    every rule of the module docstring, on the live op, as a replay keeps its recipe."""
+    devices, why = _call_check(func, args, kwargs)
+    if devices is None:
+        return why
+    inputs = [
+        v.untyped_storage() for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)
+    ]
+    return _stale_output(out, devices, inputs, {}, ())
+
+
+def resolve_op(name: str) -> Any:
+    """The aten ``OpOverload`` a recorded op name (``packet.overload``) stands for, or
+    ``None`` when no aten op has that name."""
+    packet, _, overload = name.rpartition(".")
+    if not packet or not overload:
+        return None
+    try:
+        return getattr(getattr(torch.ops.aten, packet), overload)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def check_marks(trace: ActivationTrace) -> None:
+    """Re-check every op a trace marks ``recompute`` against the rules the tracer applies
+    from the op's name alone (the schema rules); the device and output rules are checked on
+    the live op when a replay keeps its recipe (``live_refusal``).
+
+    Raises:
+        ValueError: A marked op is no aten op, its schema forbids recomputing it (in-place
+            writes, views, random numbers, hidden state), or the trace says it writes in
+            place a storage it did not create. The message names the op's index, its name
+            and why.
+    """
+    for index, op in enumerate(trace.ops):
+        if not op.recompute:
+            continue
+        func = resolve_op(op.name)
+        if func is None:
+            why = "is not an aten op (only aten ops are recomputed)"
+        else:
+            why = _classified(func)[1]
+        if not why:
+            rewritten = [
+                a.storage_id for a in op.accesses if a.kind is AccessKind.WRITE and a.output is None
+            ]
+            if rewritten:
+                why = f"writes storage {rewritten[0]} in place, which it did not create"
+        if why:
+            raise ValueError(
+                f"The trace marks op {index} ({op.name}) recompute, but that op {why}: "
+                'recomputing it would not give the same bits. Set its "recompute" to '
+                "false (or record the trace again with an OffloadSession)."
+            )
+
+
+class InferenceWatch:
+    """Tensors made under ``torch.inference_mode()`` have no version counter, so a recipe
+    cannot see them change; they can change only by an in-place write inside inference
+    mode. The warmup notes which marked ops read them and unmarks those whose inference
+    input a later op of the step writes in place (the replay follows the same ops).
+    """
+
+    def __init__(self) -> None:
+        self.readers: dict[int, list[int]] = {}  # data pointer of an inference tensor -> ops
+        self.spoiled: set[int] = set()  # ops that may not be recomputed after all
+
+    def note(self, index: int, inputs: object, written: list[torch.Tensor], marked: bool) -> None:
+        """Op ``index`` read ``inputs`` and wrote ``written`` in place; ``marked``: it may be
+        recomputed as far as its schema and inputs tell."""
+        if marked:
+            for value in tree_leaves(inputs):
+                if isinstance(value, torch.Tensor) and value.is_inference():
+                    self.readers.setdefault(value.untyped_storage().data_ptr(), []).append(index)
+        for tensor in written:
+            if self.readers and tensor.is_inference():
+                self.spoiled.update(self.readers.pop(tensor.untyped_storage().data_ptr(), ()))

@@ -5,11 +5,9 @@ does no more than compare its name, run the actions due and register the storage
 some action needs: nothing parses a schema, walks the accesses or looks a storage up by
 object. The tables are cached per plan (``tables_for``).
 
-A ``Recipe`` is what re-runs the op that made a storage (``RECOMPUTE``): the op, its
-arguments (references to its input tensors, which the plan keeps alive until the
-recompute anyway), where the storage is among its outputs, and the version counter of each
-input tensor, so a storage is released without a host copy only while its inputs are
-unchanged, and a recompute from changed inputs fails instead of giving other bits.
+The tables say which recipes to keep after each op and when to let them go
+(``_planning/recipes.py``); a ``Recipe`` itself, what re-runs the op that made a storage
+(``RECOMPUTE``), lives in ``recipe.py`` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -18,19 +16,15 @@ import logging
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-from torch.utils._pytree import tree_leaves
-
-from swapopt_core._activations.residency import Tracked
-from swapopt_core._activations.runtime import byte_view
+from swapopt_core._activations.recipe import Recipe, drop_recipes, keep_recipes
 from swapopt_core._planning.ir import (
     AccessKind,
     ActionKind,
     ActivationTrace,
     ResidencySchedule,
 )
+from swapopt_core._planning.recipes import drop_op, wants_recipe
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +94,9 @@ class ReplayTables:
         self.names = [op.name for op in ops]
         self.pre = [tuple(schedule.pre.get(i, _NONE)) for i in range(count)]
         self.post = [tuple(schedule.post.get(i, _NONE)) for i in range(count)]
-        acted: dict[int, set[ActionKind]] = {}
-        last_action: dict[int, dict[ActionKind, int]] = {}
+        acted: dict[int, list[tuple[int, ActionKind]]] = {}  # sid -> (op, kind), in order
         for _, op, action in schedule.actions():
-            acted.setdefault(action.storage_id, set()).add(action.kind)
-            last_action.setdefault(action.storage_id, {})[action.kind] = op
+            acted.setdefault(action.storage_id, []).append((op, action.kind))
         specs = _recipe_specs(trace, acted)
         self.track_all = track_all or len(schedule) > 0
         needed = set(acted)
@@ -140,7 +132,8 @@ class ReplayTables:
         self.recipe_until: dict[int, int] = {}
         for spec in specs.values():
             recipes[spec.producer].append(spec)
-            until = self.recipe_until[spec.sid] = _drop_op(spec.sid, last_action, last_access)
+            until = drop_op(acted[spec.sid], last_access.get(spec.sid, 0))
+            self.recipe_until[spec.sid] = until
             drops[until].append(spec.sid)
         self.registered = frozenset(sizes) if self.track_all else frozenset(needed & set(sizes))
         self.recipes = [tuple(r) for r in recipes]
@@ -177,16 +170,11 @@ def _net(actions: tuple, sizes: dict[int, int]) -> int:
 
 
 def _recipe_specs(
-    trace: ActivationTrace, acted: dict[int, set[ActionKind]]
+    trace: ActivationTrace, acted: dict[int, list[tuple[int, ActionKind]]]
 ) -> dict[int, _RecipeSpec]:
-    """The storages a recipe is kept for: those with a ``RECOMPUTE``, or released without
-    ever being copied out, whose first access is the write of an op marked recompute."""
-    wanted = {
-        sid
-        for sid, kinds in acted.items()
-        if ActionKind.RECOMPUTE in kinds
-        or (ActionKind.RELEASE_DEVICE in kinds and ActionKind.COPY_D2H not in kinds)
-    }
+    """The storages a recipe is kept for (``recipes.wants_recipe``) whose first access is
+    the write of an op marked recompute."""
+    wanted = {sid for sid, done in acted.items() if wants_recipe({kind for _, kind in done})}
     specs: dict[int, _RecipeSpec] = {}
     seen: set[int] = set()
     sizes = trace.storage_sizes
@@ -205,19 +193,6 @@ def _recipe_specs(
                 )
                 specs[sid] = _RecipeSpec(sid, index, access.output, inputs)
     return specs
-
-
-def _drop_op(
-    sid: int, last_action: dict[int, dict[ActionKind, int]], last_access: dict[int, int]
-) -> int:
-    """After which op the recipe of ``sid`` can go: its last planned recompute, unless the
-    plan releases it again after that (then at its last access)."""
-    kinds = last_action.get(sid, {})
-    recompute = kinds.get(ActionKind.RECOMPUTE)
-    release = kinds.get(ActionKind.RELEASE_DEVICE)
-    if recompute is None or (release is not None and release >= recompute):
-        return max(last_access.get(sid, 0), recompute or 0)
-    return recompute
 
 
 def _simulated_peak(trace: ActivationTrace, schedule: ResidencySchedule) -> float:
@@ -255,96 +230,3 @@ def tables_for(
         del _CACHE[stale]
     _CACHE[key] = (weakref.ref(trace), weakref.ref(schedule), shape, tables)
     return tables
-
-
-class Recipe:
-    """How to make one storage's bytes again: re-run the op that made it.
-
-    Args:
-        sid: The storage.
-        name: The op's name (for messages).
-        func: The op (an ``OpOverload``).
-        args: Its positional arguments, as it ran.
-        kwargs: Its keyword arguments.
-        position: Where the storage is among the op's outputs (pytree leaf order).
-        inputs: The registered storages it reads (made ready before it re-runs).
-    """
-
-    __slots__ = ("sid", "name", "func", "args", "kwargs", "position", "inputs", "versions")
-
-    def __init__(
-        self,
-        sid: int,
-        name: str,
-        func: Any,
-        args: tuple,
-        kwargs: dict,
-        position: int,
-        inputs: tuple[Tracked, ...],
-    ) -> None:
-        self.sid, self.name, self.func = sid, name, func
-        self.args, self.kwargs, self.position, self.inputs = args, kwargs, position, inputs
-        self.versions = tuple(
-            (t, t._version) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        )
-
-    def intact(self) -> bool:
-        """Whether no input tensor was modified since the op ran."""
-        return all(t._version == version for t, version in self.versions)
-
-    def run_into(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        """Re-run the op and copy the storage's bytes into ``storage`` (re-allocated here).
-
-        Raises:
-            RuntimeError: An input was modified in place since the op ran, or the op made
-                an output of another size: the bytes would not be the ones it made.
-        """
-        changed = next(((t, v) for t, v in self.versions if t._version != v), None)
-        if changed is not None:
-            raise RuntimeError(
-                f"Cannot recompute activation storage {self.sid} (made by {self.name}): an "
-                f"input of {self.name} was modified in place since it ran (tensor version "
-                f"{changed[1]} -> {changed[0]._version}), so the recomputed bits would differ. "
-                "Mark that op recompute=false in the trace, or plan this storage as an "
-                "offload."
-            )
-        # No autograd graph: the bytes are all that is wanted (and close() runs outside
-        # the dispatch mode, where autograd would record the op).
-        with torch.no_grad():
-            out = self.func(*self.args, **self.kwargs)
-        leaves = tree_leaves(out)
-        value = leaves[self.position] if self.position < len(leaves) else None
-        if not isinstance(value, torch.Tensor) or value.untyped_storage().nbytes() != nbytes:
-            raise RuntimeError(
-                f"Cannot recompute activation storage {self.sid}: {self.name} re-ran but its "
-                f"output {self.position} is not a {nbytes}-byte tensor as recorded. Mark that "
-                "op recompute=false in the trace."
-            )
-        storage.resize_(nbytes)
-        byte_view(storage).copy_(byte_view(value.untyped_storage()))
-
-
-def keep_recipes(
-    specs: tuple[_RecipeSpec, ...],
-    by_sid: dict[int, Tracked],
-    name: str,
-    func: Any,
-    args: tuple,
-    kwargs: dict,
-) -> None:
-    """Attach a recipe to each storage in ``specs`` that op ``func`` just made."""
-    for spec in specs:
-        entry = by_sid.get(spec.sid)
-        if entry is None or not entry.alive:
-            continue
-        inputs = tuple(e for sid in spec.inputs if (e := by_sid.get(sid)) is not None)
-        entry.recipe = Recipe(spec.sid, name, func, args, kwargs, spec.position, inputs)
-
-
-def drop_recipes(sids: tuple[int, ...], by_sid: dict[int, Tracked]) -> None:
-    """Let go of the recipes of ``sids`` (and the inputs they hold), unless one is off the
-    device without a host copy and still needs it."""
-    for sid in sids:
-        entry = by_sid.get(sid)
-        if entry is not None and (entry.resident or entry.host_valid):
-            entry.recipe = None

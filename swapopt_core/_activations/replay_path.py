@@ -134,7 +134,9 @@ class ReplayPath:
         tables, residency = self.tables, self.residency  # a growth may have changed them
         recipes = tables.recipes[index]
         if recipes and func is not None:
-            keep_recipes(recipes, residency.by_sid, tables.names[index], func, args, kwargs or {})
+            keep_recipes(
+                recipes, residency.by_sid, tables.names[index], func, args, kwargs or {}, out
+            )
         actions = tables.post[index]
         if actions:
             room = self._live_net(actions) if self.grown else tables.post_net[index]

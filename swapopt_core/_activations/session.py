@@ -169,7 +169,9 @@ class OffloadSession:
         Raises:
             TypeError: ``trace`` or ``schedule`` has the wrong type.
             ValueError: The trace was not recorded by an ``OffloadSession`` (it lacks the
-                output positions replay needs), or the schedule was not planned for it.
+                output positions replay needs), the schedule was not planned for it, or the
+                trace marks recompute an op whose schema forbids it (random numbers, views,
+                in-place writes; the message names the op).
         """
         self._executor.load(trace, schedule)
 

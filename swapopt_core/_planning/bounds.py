@@ -40,12 +40,14 @@ link time, but the compute stream spends ``d_producer``, and that is stall. It i
 after the op it was away for and before its reader, so for op ``i`` that time lies after op
 ``i`` ends, where the reloads of the in-bound run too. Only storages recomputable after op
 ``i`` count (``P_i``: neither they nor their producer's inputs written since the producer,
-the inputs still alive). If ``x`` of the ``E_i`` bytes come back by recomputation, the
-recompute time is at least ``C_i(x)``, the cheapest way to pick ``x`` bytes of ``P_i``
-counting a fraction of a storage at its share of the cost (a fractional knapsack: cheapest
-milliseconds per byte first, a lower bound on any whole choice). The other ``E_i - x`` bytes
-use the link. Copies in and recomputes overlap (other streams), so after op ``i`` the stall is
-at least the larger of the two, and before op ``i`` at least the out-bound::
+each input still alive or itself recomputable then; the cost of making a dead input again is
+left out, which keeps the bound below any schedule). If ``x`` of the ``E_i`` bytes come back
+by recomputation, the recompute time is at least ``C_i(x)``, the cheapest way to pick ``x``
+bytes of ``P_i`` counting a fraction of a storage at its share of the cost (a fractional
+knapsack: cheapest milliseconds per byte first, a lower bound on any whole choice). The
+other ``E_i - x`` bytes use the link. Copies in and recomputes overlap (other streams), so
+after op ``i`` the stall is at least the larger of the two, and before op ``i`` at least the
+out-bound::
 
     stall >= min over 0 <= x <= min(E_i, |P_i|) of
              out_i(E_i - x) + max(in_i(E_i - x), C_i(x))
@@ -214,7 +216,8 @@ class _Knapsack:
 def _recompute_cuts(ix: TraceIndex) -> dict[int, tuple[int, int]]:
     """``sid -> (producer, cut)`` for storages an op marked ``recompute`` created: the storage
     can be made again after op ``i`` only for ``i < cut`` (no write to it or to an input of its
-    producer up to ``i``, every input still alive after ``i``)."""
+    producer up to ``i``, every input still alive after ``i`` or itself made again then: a
+    replay's recipe holds its inputs, ``chains.py``)."""
     n = ix.n
 
     def next_write(sid: int, after: int) -> int:
@@ -223,16 +226,16 @@ def _recompute_cuts(ix: TraceIndex) -> dict[int, tuple[int, int]]:
         return writes[k] if k < len(writes) else n + 1
 
     cuts: dict[int, tuple[int, int]] = {}
-    for sid, producer in ix.producer.items():
-        if ix.sizes[sid] <= 0:
-            continue
+    for sid in sorted(ix.producer, key=lambda s: (ix.producer[s], s)):  # inputs first
+        producer = ix.producer[sid]
         cut = next_write(sid, producer)
         for other in ix.recompute_inputs[sid]:
             cut = min(cut, next_write(other, producer))
             if other not in ix.retained:
-                cut = min(cut, ix.last[other] + 1)
+                alive = ix.end[other] + 1
+                cut = min(cut, max(alive, cuts.get(other, (0, alive))[1]))
         cuts[sid] = (producer, cut)
-    return cuts
+    return {sid: cut for sid, cut in cuts.items() if ix.sizes[sid] > 0}
 
 
 def _sweep(ix: TraceIndex, budget: int, recompute: bool) -> tuple[list[float], ...]:
@@ -255,11 +258,22 @@ def _sweep(ix: TraceIndex, budget: int, recompute: bool) -> tuple[list[float], .
     created = _PrefixMax(ends, -1, bw_d2h)  # keyed by creation op: out_i
     readers = _PrefixMax([-s for s in starts], +1, bw_h2d)  # keyed by the next reader: in_i
     cuts = _recompute_cuts(ix) if recompute else {}
-    order = sorted(cuts, key=lambda sid: (ix.durations[cuts[sid][0]] / ix.sizes[sid], sid))
-    rank = {sid: r for r, sid in enumerate(order)}
-    knapsack = _Knapsack([(ix.durations[cuts[sid][0]], ix.sizes[sid]) for sid in order])
-    opening: list[list[tuple[int, int, int]]] = [[] for _ in range(n + 1)]
-    closing: list[list[tuple[int, int, int]]] = [[] for _ in range(n + 1)]
+    # Held past its last access (``freed_after``): released then, it never comes back, so
+    # it needs no reader; with its recipe intact it leaves at no cost at all.
+    tails = {
+        sid: (ix.last[sid], ix.end[sid] + 1)
+        for sid in ix.by_storage
+        if sid not in ix.retained and ix.end[sid] > ix.last[sid]
+    }
+    items = [(ix.durations[cuts[sid][0]], ix.sizes[sid], sid, False) for sid in cuts]
+    items += [
+        (0.0, ix.sizes[sid], sid, True) for sid in tails if cuts.get(sid, (0, 0))[1] > ix.last[sid]
+    ]
+    items.sort(key=lambda item: (item[0] / max(item[1], 1), item[2], item[3]))
+    rank = {(sid, tail): r for r, (_, _, sid, tail) in enumerate(items)}
+    knapsack = _Knapsack([(cost, size) for cost, size, _, _ in items])
+    opening: list[list[tuple[int, int | None, int]]] = [[] for _ in range(n + 1)]
+    closing: list[list[tuple[int, int | None, int]]] = [[] for _ in range(n + 1)]
     knap_events: list[list[tuple[int, int]]] = [[] for _ in range(n + 1)]
     for sid, accesses in ix.by_storage.items():
         first, size = ix.first[sid], ix.sizes[sid]
@@ -271,17 +285,26 @@ def _sweep(ix: TraceIndex, budget: int, recompute: bool) -> tuple[list[float], .
                 continue  # offloadable during ops a+1 .. b-1
             opening[a + 1].append((first, b, size))
             closing[b].append((first, b, size))
-            if sid in rank and min(b, cuts[sid][1]) > a + 1:
-                knap_events[a + 1].append((rank[sid], 1))
-                knap_events[min(b, cuts[sid][1])].append((rank[sid], -1))
+            if (sid, False) in rank and min(b, cuts[sid][1]) > a + 1:
+                knap_events[a + 1].append((rank[sid, False], 1))
+                knap_events[min(b, cuts[sid][1])].append((rank[sid, False], -1))
+        if sid in tails:  # offloadable during ops a+1 .. b-1, never read again
+            a, b = tails[sid]
+            opening[a + 1].append((first, None, size))
+            closing[b].append((first, None, size))
+            if (sid, True) in rank:
+                knap_events[a + 1].append((rank[sid, True], 1))
+                knap_events[b].append((rank[sid, True], -1))
     outs, backs, alone = [0.0] * n, [0.0] * n, [0.0] * n
     for i in range(n):
         for first, reader, size in closing[i]:
             created.add(first, -size)
-            readers.add(reader, -size)
+            if reader is not None:
+                readers.add(reader, -size)
         for first, reader, size in opening[i]:
             created.add(first, size)
-            readers.add(reader, size)
+            if reader is not None:
+                readers.add(reader, size)
         for r, sign in knap_events[i]:
             knapsack.add(r, sign)
         excess = ix.natural[i] - budget

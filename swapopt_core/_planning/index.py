@@ -12,7 +12,9 @@ class TraceIndex:
     """Per-op and per-storage views of a trace that the simulator, planner and bounds share.
 
     Only storages listed in ``storage_sizes`` appear. ``accesses[i]`` holds ``(sid, wrote)``
-    once per storage; ``first``/``last`` are access op indices; ``starts[i]`` is op ``i``'s
+    once per storage; ``first``/``last`` are access op indices, ``end`` the op after which
+    each storage is freed (its last access, or later for one the caller held: the trace's
+    ``freed_after``; retained storages are never freed); ``starts[i]`` is op ``i``'s
     start with no stall; ``natural[i]`` the resident bytes during op ``i`` with no actions;
     ``working[i]`` the bytes op ``i`` itself touches or creates. ``producer`` maps each
     storage made by an op marked ``recompute`` to that op, ``recompute_inputs`` to the storages
@@ -44,6 +46,8 @@ class TraceIndex:
         self.total_ms = clock
         self.first = {sid: acc[0][0] for sid, acc in self.by_storage.items()}
         self.last = {sid: acc[-1][0] for sid, acc in self.by_storage.items()}
+        freed = trace.freed_after
+        self.end = {sid: max(last, freed.get(sid, last)) for sid, last in self.last.items()}
         self.writes = {
             sid: [op for op, wrote in acc if wrote] for sid, acc in self.by_storage.items()
         }
@@ -60,9 +64,9 @@ class TraceIndex:
         self.freed_at: list[list[int]] = [[] for _ in range(self.n)]
         for sid, op in self.first.items():
             self.created_at[op].append(sid)
-        for sid, op in self.last.items():
+        for sid, op in self.end.items():
             if sid not in self.retained:
-                self.freed_at[op].append(sid)
+                self.freed_at[min(op, self.n - 1)].append(sid)
         natural, resident = [], 0
         for i in range(self.n):
             resident += sum(sizes[s] for s in self.created_at[i])

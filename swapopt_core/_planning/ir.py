@@ -116,6 +116,10 @@ class ActivationTrace:
             cannot be met otherwise (a copy's fixed cost outweighs what they free). A session
             writes its ``OffloadConfig.min_offload_kib`` here, so a saved trace is planned
             again as the session planned it.
+        freed_after: For storages that outlived their last access in the recorded step
+            (the caller held a reference, as a model's output object holds its logits
+            through backward): the op after which each was freed. Others are freed after
+            their last access; retained ones are never.
     """
 
     ops: tuple[TraceOp, ...]
@@ -125,9 +129,11 @@ class ActivationTrace:
     d2h_bandwidth_gbps: float = 16.0
     h2d_bandwidth_gbps: float = 16.0
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
+    freed_after: Mapping[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
+        object.__setattr__(self, "freed_after", dict(self.freed_after))
         object.__setattr__(self, "storage_sizes", dict(self.storage_sizes))
         object.__setattr__(self, "retained_sids", frozenset(self.retained_sids))
         object.__setattr__(self, "min_offload_bytes", int(self.min_offload_bytes))
@@ -160,6 +166,11 @@ class ActivationTrace:
                 "d2h_bandwidth_gbps": self.d2h_bandwidth_gbps,
                 "h2d_bandwidth_gbps": self.h2d_bandwidth_gbps,
                 "min_offload_bytes": self.min_offload_bytes,
+                **(
+                    {"freed_after": {str(sid): op for sid, op in sorted(self.freed_after.items())}}
+                    if self.freed_after
+                    else {}
+                ),
             }
         )
 
@@ -169,7 +180,7 @@ class ActivationTrace:
 
         Every value is checked: sizes and byte counts are integers >= 0 that fit in int64,
         durations finite numbers >= 0, bandwidths finite and > 0, kinds known names, and
-        retained storages listed in ``storage_sizes``.
+        retained storages and those in ``freed_after`` listed in ``storage_sizes``.
 
         Raises:
             ValueError: Not JSON, nested too deeply, a missing key, or a value out of range;
@@ -201,6 +212,7 @@ class ActivationTrace:
             cj.as_int(
                 data.get("min_offload_bytes", DEFAULT_MIN_OFFLOAD_BYTES), "min_offload_bytes"
             ),
+            _freed_after(data, sizes),
         )
 
 
@@ -209,6 +221,15 @@ def _known_sid(value: object, path: str, sizes: Mapping[int, int]) -> int:
     if sid not in sizes:
         cj.fail(path, value, "a storage id listed in storage_sizes")
     return sid
+
+
+def _freed_after(data: Mapping[str, Any], sizes: Mapping[int, int]) -> dict[int, int]:
+    found = {}
+    for key, op in cj.as_object(data.get("freed_after", {}), "freed_after").items():
+        path = f"freed_after[{key!r}]"
+        sid = _known_sid(cj.index_key(key, path, what="a storage id", signed=True), path, sizes)
+        found[sid] = cj.as_int(op, path, what="an op index")
+    return found
 
 
 def _bandwidth(data: Mapping[str, Any], key: str) -> float:

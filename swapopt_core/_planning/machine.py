@@ -1,14 +1,17 @@
-"""The device model the simulator and the planner drive, one op or action at a time, and
-what a replay of it costs. The rules it follows are those of ``simulate.py``'s docstring."""
+"""The device model the simulator and the planner drive, one op or action at a time. The
+rules it follows are those of ``simulate.py``'s docstring; what a replay of it costs is a
+``SimulationResult`` (``results.py``)."""
 
 from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.ir import ActionKind
+from swapopt_core._planning.recipes import RecipeLife
+from swapopt_core._planning.results import CopySpan, RecomputeSpan, SimulationResult
 
 __all__ = ["CopySpan", "Machine", "RecomputeSpan", "SimulationResult"]
 
@@ -21,84 +24,17 @@ _D2H, _RELEASE, _H2D, _RELEASE_HOST, _RECOMPUTE = (
 )
 
 
-@dataclass(frozen=True)
-class CopySpan:
-    """One copy as it ran: direction ``"D2H"`` or ``"H2D"``, storage, times in ms, bytes."""
-
-    direction: str
-    storage_id: int
-    start_ms: float
-    end_ms: float
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class RecomputeSpan:
-    """One recompute as it ran: the storage, the op that made it, times in ms."""
-
-    storage_id: int
-    op: int
-    start_ms: float
-    end_ms: float
-
-
-@dataclass(frozen=True)
-class SimulationResult:
-    """What replaying a schedule costs.
-
-    Attributes:
-        total_ms: When the last op finishes.
-        compute_ms: Sum of op durations (the time with no stall).
-        overhead: ``(total_ms - compute_ms) / compute_ms``.
-        peak_bytes: Peak resident activation bytes, in-flight copies in.
-        natural_peak_bytes: Peak with no actions at all.
-        demand_fetches: Storages fetched on demand because no reload was issued.
-        stall_ms: ``total_ms - compute_ms``.
-        release_wait_ms: Part of the stall spent in releases waiting for copies.
-        reload_wait_ms: Part spent by ops waiting for planned copies.
-        demand_fetch_ms: Part spent by ops waiting for demand fetches.
-        recomputes: Planned recomputes that ran.
-        demand_recomputes: Recomputes an access forced because nothing brought the storage
-            back.
-        recompute_ms: Part of the stall spent recomputing (planned and on demand).
-        peak_host_bytes: Peak bytes of host copies.
-        d2h_bytes: Bytes copied device to host.
-        h2d_bytes: Bytes copied host to device (demand fetches included).
-        ignored_actions: Actions that had no effect (see the module docstring).
-        timeline: ``(time_ms, resident_bytes)`` after every change of residency.
-        copies: Every copy that ran.
-        op_start_ms: When each op started.
-        recomputed: Every recompute that ran (drawn on the compute lane).
-    """
-
-    total_ms: float
-    compute_ms: float
-    overhead: float
-    peak_bytes: int
-    natural_peak_bytes: int
-    demand_fetches: int
-    stall_ms: float
-    release_wait_ms: float
-    reload_wait_ms: float
-    demand_fetch_ms: float
-    peak_host_bytes: int
-    d2h_bytes: int
-    h2d_bytes: int
-    ignored_actions: int
-    timeline: tuple[tuple[float, int], ...]
-    copies: tuple[CopySpan, ...]
-    op_start_ms: tuple[float, ...]
-    recomputes: int = 0
-    demand_recomputes: int = 0
-    recompute_ms: float = 0.0
-    recomputed: tuple[RecomputeSpan, ...] = ()
-
-
 class Machine:
     """The device model, one step at a time. ``simulate`` drives it with a schedule; the
     planner drives it with its own decisions, so both follow the same rules."""
 
-    def __init__(self, index: TraceIndex, *, record: bool = True) -> None:
+    def __init__(
+        self,
+        index: TraceIndex,
+        *,
+        record: bool = True,
+        recipes: Mapping[int, RecipeLife] | None = None,
+    ) -> None:
         trace = index.trace
         self.ix = index
         self.bw_d2h = trace.d2h_bandwidth_gbps * 1e6  # bytes per ms
@@ -126,6 +62,16 @@ class Machine:
         self.copies: list[CopySpan] = []
         self.op_start: list[float] = []
         self.recomputed: list[RecomputeSpan] = []
+        # The replay's recipes (``recipes.py``): each holds its producer's inputs alive.
+        self.recipes: Mapping[int, RecipeLife] = recipes or {}
+        self.taken: dict[int, list[int]] = {}  # producer op -> storages whose recipe it takes
+        self.drops: dict[int, list[int]] = {}  # drop op -> storages whose recipe goes then
+        for sid, life in self.recipes.items():
+            self.taken.setdefault(life.producer, []).append(sid)
+            self.drops.setdefault(life.drop, []).append(sid)
+        self.live_recipes: set[int] = set()
+        self.holders: dict[int, int] = {}  # storage -> live recipes that hold it
+        self.held: set[int] = set()  # past its last access, alive only for recipes
 
     def _alloc(self, nbytes: int, at: float) -> None:
         pending = self.pending
@@ -164,18 +110,22 @@ class Machine:
         until = self.done if upto is None else upto
         if self._written(sid, op, until):
             return False
+        held = sid in self.live_recipes  # its recipe keeps the inputs alive
         for x in ix.recompute_inputs[sid]:
             if x in self.dead or self._written(x, op, until):
                 return False
-            if upto is not None and x not in ix.retained and ix.last[x] <= upto:
+            if upto is not None and not held and x not in ix.retained and ix.end[x] <= upto:
                 return False  # freed before the storage is needed again
         return True
 
     def _needed_until(self, sid: int) -> int:
-        """The op before the next access of ``sid`` (the last op for a kept output)."""
+        """The op before the next access of ``sid`` (the last op for a kept output; now,
+        for a storage past its last access that only recipes hold)."""
         ops = [op for op, _ in self.ix.by_storage.get(sid, ())]
         k = bisect_right(ops, self.done)
-        return ops[k] - 1 if k < len(ops) else self.ix.n - 1
+        if k < len(ops):
+            return ops[k] - 1
+        return self.ix.n - 1 if sid in self.ix.retained else self.done
 
     def _known(self, sid: int, where: str, kind: ActionKind) -> int:
         size = self.ix.sizes.get(sid)
@@ -205,7 +155,8 @@ class Machine:
     def release_device(self, sid: int, where: str) -> None:
         size = self._known(sid, where, _RELEASE)
         if sid not in self.on_device or not (
-            self.host.get(sid) or self.recomputable(sid, self._needed_until(sid))
+            self.host.get(sid)
+            or (sid in self.live_recipes and self.recomputable(sid, self._needed_until(sid)))
         ):
             self.ignored += 1
             return
@@ -337,18 +288,46 @@ class Machine:
         self.op_start.append(waited)
         self.t = waited + ix.durations[i]
         self.done = i
+        for sid in self.taken.get(i, ()):
+            if sid in self.on_device:  # the replay takes the recipe as the op returns
+                self.live_recipes.add(sid)
+                for x in self.recipes[sid].inputs:
+                    self.holders[x] = self.holders.get(x, 0) + 1
 
     def natural_free(self, i: int) -> None:
-        sizes = self.ix.sizes
+        """After op ``i``'s post actions: recipes whose drop op it is go (those of storages
+        off the device without a host copy stay until they die), then the storages whose
+        last access it is die, unless a recipe holds them."""
+        for sid in self.drops.get(i, ()):
+            if sid in self.live_recipes and (sid in self.on_device or self.host.get(sid)):
+                self._let_go(sid)
         for sid in self.ix.freed_at[i]:
-            self.dead.add(sid)
-            if sid in self.host:
-                del self.host[sid]
-                self.host_bytes -= sizes[sid]
-            if sid in self.on_device:
-                self.on_device.discard(sid)
-                busy = max(self.d2h_end.get(sid, 0.0), self.h2d_end.get(sid, 0.0))
-                self._free(sizes[sid], busy)
+            if self.holders.get(sid):
+                self.held.add(sid)
+            else:
+                self._die(sid)
+
+    def _die(self, sid: int) -> None:
+        size = self.ix.sizes[sid]
+        self.dead.add(sid)
+        self.held.discard(sid)
+        if sid in self.host:
+            del self.host[sid]
+            self.host_bytes -= size
+        if sid in self.on_device:
+            self.on_device.discard(sid)
+            busy = max(self.d2h_end.get(sid, 0.0), self.h2d_end.get(sid, 0.0))
+            self._free(size, busy)
+        if sid in self.live_recipes:
+            self._let_go(sid)
+
+    def _let_go(self, sid: int) -> None:
+        """Drop the recipe of ``sid``: inputs it alone held past their last access die."""
+        self.live_recipes.discard(sid)
+        for x in self.recipes[sid].inputs:
+            self.holders[x] -= 1
+            if not self.holders[x] and x in self.held:
+                self._die(x)
 
     def finish(self) -> None:
         """The step ends once every retained storage is back on the device."""

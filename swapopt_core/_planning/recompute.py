@@ -1,31 +1,33 @@
-"""Recompute instead of offload: which storages the timed planner regenerates, and how.
+"""Recompute instead of offload: which storages the timed planner regenerates.
 
 A *recompute gap* is a gap ``(a, b)`` of a storage ``s`` (last access ``a``, next reader
 ``b``) whose producer may run again there (``docs/formats.md``, ``RECOMPUTE``): ``s`` is
 released after ``a`` without a host copy and made again right before ``b``, at the price of
-the producer's duration on the compute stream instead of two copies on the link.
+the producer's duration (and of the inputs it revives, ``chains.py``) on the compute stream
+instead of two copies on the link. A *tail* is the stretch after the last access of a storage
+the caller holds longer (``ActivationTrace.freed_after``): released there without a copy, it
+never comes back, at no cost. ``chains.py`` places chosen gaps (pulling and reviving the
+inputs they need) and turns them into a virtual trace the offload placer plans.
 
-**Virtual trace.** A set of chosen gaps becomes a trace in which each of them is an inserted
-op right before ``b``, with the producer's duration, that reads the producer's inputs and
-creates a fresh storage (a new *version* of ``s``, same size) used by the later accesses of
-``s``; the old version dies at ``a``. The offload placer plans that trace as any other: it
-keeps the recompute's inputs on the device at the inserted op (they are accessed there) and
-offloads whatever else the budget needs. The schedule maps back: the inserted op's actions
-around ``RECOMPUTE(s)`` in ``pre[b]``, ``RELEASE_DEVICE(s)`` in ``post[a]`` for the early
-death, actions on versions to ``s``.
+**Choice.** Three searches share one cache of trials, each a full placement replayed by the
+simulator, and the plan is the best trial (in budget first, then the shortest simulated
+step):
 
-**Chains.** When a recompute needs an input that is itself released for a recompute at that
-point (the gated multiply reads the SiLU output), the input's recompute moves to the same
-place, ordered first (producers in trace order).
-
-**Choice.** Only gaps where the budget binds somewhere inside count. They are batched per
-op kind and gap (the op name with its digits ignored and the gap's rank among the storage's
-gaps, so one batch per layer-independent place) and tried cheapest first (producer
-milliseconds per byte, longer gaps first among equals); a batch stays when the replayed
-schedule's time falls. Then each kept batch sheds its gaps that offloading hides best
-(largest link slack first, a half, else a quarter) while that helps, and each rejected batch
-is tried again on its gaps the link hides worst. The search stops early once the overhead is
-negligible or its trials are spent (``MAX_TRIALS``, fewer on long traces).
+- *Greedy.* Only gaps where the budget binds somewhere inside count, and only those cheaper
+  than moving their bytes. They are batched per op kind and gap (the op name with its digits
+  ignored and the gap's rank among the storage's gaps, so one batch per layer-independent
+  place) and tried cheapest first (milliseconds per byte, longer gaps first among equals); a
+  batch stays when the replayed schedule's time falls. Then each kept batch sheds its gaps
+  that offloading hides best (largest link slack first, a half, else a quarter) while that
+  helps, and each rejected batch is tried again on its gaps the link hides worst. It stops
+  early once the overhead is negligible or its trials are spent (``MAX_TRIALS``, fewer on
+  long traces).
+- *Checkpoint-like choices* (``segments.py``): everything the forward makes and the backward
+  reads, recomputed from segment inputs found in the trace, for a few segment sizes. Per-block
+  activation checkpointing is one of them, so the planner never ends worse than it.
+- *Refinement* of the best checkpoint-like choice: it stops recomputing whole batches of it
+  (the costliest per byte first), else halves of one, in passes while that helps
+  (``REFINE_TRIALS``).
 """
 
 from __future__ import annotations
@@ -34,26 +36,16 @@ import logging
 import math
 import re
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from swapopt_core._planning.ir import (
-    Access,
-    AccessKind,
-    Action,
-    ActionKind,
-    ActivationTrace,
-    ResidencySchedule,
-    TraceOp,
-)
+from swapopt_core._planning.chains import Placer, recover_limits, revive_cost, virtual_plan
+from swapopt_core._planning.ir import ResidencySchedule
+from swapopt_core._planning.segments import checkpoint_choices
 from swapopt_core._planning.simulate import TraceIndex, simulate
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RecomputeGap", "plan_with_recompute", "recompute_gaps", "virtual_plan"]
-
-#: Places offloads on a (virtual) trace under a budget: what the timed planner's search does.
-Placer = Callable[[TraceIndex, int], ResidencySchedule]
 
 
 @dataclass(frozen=True)
@@ -70,6 +62,9 @@ class RecomputeGap:
         kind: The producer's name with digits ignored and the gap's rank among the storage's
             gaps: one batch per kind of op and gap, across layers.
         slack: The gap's offload slack: idle time minus the two copies (ms).
+        tail: The gap runs from the storage's last access to its death (the caller held it
+            past its last access, ``ActivationTrace.freed_after``): released without a copy,
+            it never comes back, so nothing is recomputed and ``cost_ms`` is ``0``.
     """
 
     sid: int
@@ -80,183 +75,65 @@ class RecomputeGap:
     size: int
     kind: str
     slack: float
+    tail: bool = False
 
 
-def recompute_gaps(ix: TraceIndex, budget: int | None = None) -> list[RecomputeGap]:
+def recompute_gaps(
+    ix: TraceIndex, budget: int | None = None, *, everything: bool = False
+) -> list[RecomputeGap]:
     """Every gap of every storage where the contract allows a recompute before the reader.
 
-    The storage must be recomputable at ``b - 1`` (nothing after its producer writes it or an
-    input before ``b``) and every input must still be alive at ``b``. Left out: gaps whose
-    recompute costs more than moving the bytes out and back (offloading never costs more),
-    and with a ``budget``, gaps during which the budget never binds (nothing to win).
+    The storage must be recomputable at ``b`` (``chains.recover_limits``: nothing after its
+    producer writes it or an input before ``b``, and each input alive at ``b`` or revived
+    there). A storage the caller holds past its last access also gets its *tail* (see
+    ``RecomputeGap.tail``) where its inputs are intact at that access. Left out, unless
+    ``everything``: gaps whose recompute (the producer and what it revives) costs more than
+    moving the bytes out and back (offloading never costs more), and with a ``budget``, gaps
+    during which the budget never binds (nothing to win).
     """
     trace = ix.trace
     bw_out, bw_in = trace.d2h_bandwidth_gbps * 1e6, trace.h2d_bandwidth_gbps * 1e6
     over = [0]  # over[i]: ops before op i where the budget binds
     for resident in ix.natural:
         over.append(over[-1] + (budget is not None and resident > budget))
+    limits = recover_limits(ix)
     found: list[RecomputeGap] = []
     for sid, producer in ix.producer.items():
         size = ix.sizes[sid]
         cost = ix.durations[producer]
-        if size <= 0 or cost >= size / bw_out + size / bw_in:
+        move = size / bw_out + size / bw_in
+        if size <= 0:
             continue
-        inputs = ix.recompute_inputs[sid]
-        # The first op after the producer that writes the storage or one of its inputs.
-        spoiled = min(
-            (op for x in (sid, *inputs) for op in ix.writes.get(x, ()) if op > producer),
-            default=ix.n,
-        )
-        alive = min(
-            (ix.n if x in ix.retained else ix.last.get(x, -1) for x in inputs), default=ix.n
-        )
         name = re.sub(r"\d+", "#", trace.ops[producer].name)
+        last, end = ix.last[sid], ix.end[sid]
+        held = sid not in ix.retained and last < end and last < limits[sid]
+        if held and (budget is None or over[end + 1] > over[last + 1] or everything):
+            kind = f"{name} tail"  # released for good after its last access: free
+            found.append(RecomputeGap(sid, last, end, producer, 0.0, size, kind, math.inf, True))
+        if cost >= move and not everything:
+            continue
         accesses = ix.by_storage[sid]
         pairs = [(a, b) for (a, _), (b, _) in zip(accesses, accesses[1:], strict=False)]
         for k, (a, b) in enumerate((a, b) for a, b in pairs if b - a >= 2):
-            if b > spoiled or b > alive:
+            if b > limits[sid]:
                 continue
-            if budget is not None and over[b] == over[a + 1]:
+            if budget is not None and over[b] == over[a + 1] and not everything:
+                continue
+            total = cost + revive_cost(ix, sid, b)
+            if total >= move and not everything:
                 continue
             idle = ix.starts[b] - ix.starts[a] - ix.durations[a]
-            slack = idle - size / bw_out - size / bw_in
+            slack = idle - move
             kind = f"{name} gap {k}"  # the same gap of the same op in every layer
-            found.append(RecomputeGap(sid, a, b, producer, cost, size, kind, slack))
+            found.append(RecomputeGap(sid, a, b, producer, total, size, kind, slack))
     return found
-
-
-def _positions(ix: TraceIndex, chosen: list[RecomputeGap]) -> dict[RecomputeGap, int]:
-    """Where each chosen recompute runs (before which real op), chains pulled forward.
-
-    A recompute at ``p`` needs its inputs there: an input released by a chosen gap
-    ``(a, b)`` with ``a < p <= b`` is recomputed at ``p`` too. Dependents have later
-    producers, so one pass in decreasing producer order settles every position. A gap whose
-    recompute would come right after its release is dropped (the storage stays).
-    """
-    by_sid: dict[int, list[RecomputeGap]] = defaultdict(list)
-    for g in chosen:
-        by_sid[g.sid].append(g)
-    where = {g: g.b for g in chosen}
-    for g in sorted(chosen, key=lambda g: (-g.producer, g.sid, g.a)):
-        p = where[g]
-        if p <= g.a + 1:
-            continue
-        for x in ix.recompute_inputs[g.sid]:
-            for other in by_sid.get(x, ()):
-                if other.a < p <= where[other]:
-                    where[other] = p
-    return {g: p for g, p in where.items() if p > g.a + 1}
-
-
-@dataclass
-class _Virtual:
-    trace: ActivationTrace
-    real_of: list[int | None]  # virtual op -> real op (None: an inserted recompute)
-    inserted: dict[int, RecomputeGap]  # virtual op -> the recompute it stands for
-    sid_of: dict[int, int]  # virtual storage id -> real one
-    early: dict[int, list[int]]  # real op -> storages whose version dies after it
-
-
-def _virtual_trace(ix: TraceIndex, placed: dict[RecomputeGap, int], budget: int) -> _Virtual:
-    trace = ix.trace
-    seen = [a.storage_id for op in trace.ops for a in op.accesses]
-    fresh = max([*seen, *ix.sizes, -1]) + 1
-    before: dict[int, list[RecomputeGap]] = defaultdict(list)
-    for g, p in placed.items():
-        before[p].append(g)
-    current: dict[int, int] = {}  # real sid -> its live version
-    sizes = dict(ix.sizes)
-    sid_of: dict[int, int] = {}
-    ops: list[TraceOp] = []
-    real_of: list[int | None] = []
-    inserted: dict[int, RecomputeGap] = {}
-    early: dict[int, list[int]] = defaultdict(list)
-    for g in placed:
-        early[g.a].append(g.sid)
-    for i, op in enumerate(trace.ops):
-        for g in sorted(before.get(i, ()), key=lambda g: (g.producer, g.sid)):
-            reads = [Access(current.get(x, x), AccessKind.READ) for x in ix.recompute_inputs[g.sid]]
-            version, fresh = fresh, fresh + 1
-            sizes[version] = g.size
-            sid_of[version] = g.sid
-            current[g.sid] = version
-            inserted[len(ops)] = g
-            real_of.append(None)
-            name = f"recompute {trace.ops[g.producer].name}"
-            accesses = (*reads, Access(version, AccessKind.WRITE))
-            ops.append(TraceOp(name, ix.durations[g.producer], accesses))
-        accesses = tuple(
-            Access(current.get(a.storage_id, a.storage_id), a.kind) for a in op.accesses
-        )
-        ops.append(TraceOp(op.name, op.duration_ms, accesses))
-        real_of.append(i)
-    retained = frozenset(current.get(s, s) for s in trace.retained_sids)
-    virtual = ActivationTrace(
-        tuple(ops),
-        sizes,
-        retained,
-        budget,
-        trace.d2h_bandwidth_gbps,
-        trace.h2d_bandwidth_gbps,
-        trace.min_offload_bytes,
-    )
-    return _Virtual(virtual, real_of, inserted, sid_of, dict(early))
-
-
-def _map_back(v: _Virtual, vplan: ResidencySchedule) -> ResidencySchedule:
-    """The virtual schedule on the real trace (see the module docstring)."""
-    plan = ResidencySchedule()
-
-    def moved(actions: list[Action], into: list[Action]) -> None:
-        into.extend(_rename(a, v.sid_of) for a in actions)
-
-    pending: list[Action] = []  # actions of inserted ops, waiting for the next real op
-    for k, real in enumerate(v.real_of):
-        if real is None:
-            g = v.inserted[k]
-            moved(vplan.pre.get(k, []), pending)
-            pending.append(Action(g.sid, ActionKind.RECOMPUTE))
-            moved(vplan.post.get(k, []), pending)
-            continue
-        pre, pending = pending, []
-        moved(vplan.pre.get(k, []), pre)
-        post: list[Action] = []
-        moved(vplan.post.get(k, []), post)
-        post.extend(Action(s, ActionKind.RELEASE_DEVICE) for s in v.early.get(real, ()))
-        if pre:
-            plan.pre[real] = pre
-        if post:
-            plan.post[real] = post
-    return plan
-
-
-def _rename(action: Action, sid_of: dict[int, int]) -> Action:
-    sid = sid_of.get(action.storage_id)
-    return action if sid is None else Action(sid, action.kind)
-
-
-def virtual_plan(
-    ix: TraceIndex, chosen: list[RecomputeGap], budget: int, place: Placer
-) -> ResidencySchedule:
-    """The real schedule for recomputing ``chosen`` and offloading what else the budget needs.
-
-    Args:
-        ix: The real trace's index.
-        chosen: Recompute gaps from :func:`recompute_gaps`.
-        budget: Device bytes for activations.
-        place: The offload placer, run on the virtual trace.
-    """
-    placed = _positions(ix, chosen)
-    if not placed:
-        return place(ix, budget)
-    v = _virtual_trace(ix, placed, budget)
-    return _map_back(v, place(TraceIndex(v.trace), budget))
 
 
 @dataclass
 class _Trial:
     chosen: frozenset[RecomputeGap]
     schedule: ResidencySchedule
+    peak: float
     over_budget: bool
     total_ms: float
     overhead: float
@@ -264,6 +141,8 @@ class _Trial:
     def better_than(self, other: _Trial) -> bool:
         if self.over_budget != other.over_budget:
             return other.over_budget
+        if self.over_budget:  # neither fits: the lower peak
+            return self.peak < other.peak
         return self.total_ms < other.total_ms - 1e-9
 
 
@@ -271,6 +150,11 @@ class _Trial:
 MAX_TRIALS = 32
 #: ...and ops placed over all trials, so that long traces stay quick to plan (at least 4).
 MAX_TRIAL_OPS = 60_000
+#: Trials more for improving on the best checkpoint-like choice.
+REFINE_TRIALS = 40
+#: Cut strides of the checkpoint-like choices (``segments.py``): every cut kept, every
+#: second (per block, in a transformer), third, fourth.
+STRIDES = (1, 2, 3, 4)
 #: An overhead below this (share of the compute time) leaves nothing worth searching for.
 NEGLIGIBLE = 1e-3
 
@@ -278,14 +162,20 @@ NEGLIGIBLE = 1e-3
 def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> ResidencySchedule:
     """Choose recompute gaps by replayed cost and return the best schedule found.
 
+    Three searches share one cache of trials: the greedy choice by batches (the module
+    docstring), the checkpoint-like choices (``segments.py``), and a refinement of the best
+    of those that stops recomputing whole batches of it (the costliest per byte first) while
+    that helps.
+
     Args:
         ix: The real trace's index.
         budget: Device bytes for activations.
         place: The offload placer (the timed planner's search).
 
     Returns:
-        The schedule with the lowest simulated time among those tried (offload only
-        included), preferring ones whose peak fits the budget.
+        The schedule with the lowest simulated time among those tried (offload only and the
+        checkpoint-like choices included), preferring ones whose peak fits the budget (the
+        lowest peak when none does).
     """
     gaps = recompute_gaps(ix, budget)
     seen: dict[frozenset[RecomputeGap], _Trial] = {}
@@ -298,8 +188,9 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
                 result = simulate(ix.trace, schedule, record=False, index=ix)
             except ValueError as error:  # a mapping the replay refuses: never chosen
                 logger.debug("recompute trial of %d gaps refused: %s", len(chosen), error)
-                seen[chosen] = _Trial(chosen, schedule, True, math.inf, math.inf)
-                return seen[chosen]
+                refused = _Trial(chosen, schedule, math.inf, True, math.inf, math.inf)
+                seen[chosen] = refused
+                return refused
             logger.debug(
                 "recompute trial: %d gaps, overhead %.2f %%, peak/budget %.3f",
                 len(chosen),
@@ -307,13 +198,43 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
                 result.peak_bytes / budget,
             )
             over = result.peak_bytes > budget
-            seen[chosen] = _Trial(chosen, schedule, over, result.total_ms, result.overhead)
+            seen[chosen] = _Trial(
+                chosen, schedule, result.peak_bytes, over, result.total_ms, result.overhead
+            )
         return seen[chosen]
 
-    best = trial(frozenset())
+    best = greedy = _greedy(gaps, trial, seen, trials)
+    if not _settled(best, seen, math.inf):
+        every = recompute_gaps(ix, everything=True)
+        choices = [trial(frozenset(checkpoint_choices(ix, every, s))) for s in STRIDES]
+        checkpointed = choices[0]
+        for candidate in choices[1:]:
+            if candidate.better_than(checkpointed):
+                checkpointed = candidate
+        refined = _refine(checkpointed, every, trial, seen, len(seen) + REFINE_TRIALS)
+        if refined.better_than(best):
+            best = refined
+    logger.debug(
+        "recompute: %d gaps chosen after %d trials, overhead %.1f %%%s",
+        len(best.chosen),
+        len(seen),
+        100 * best.overhead,
+        "" if best is greedy else " (from a checkpoint-like choice)",
+    )
+    return best.schedule
+
+
+def _batches(gaps: list[RecomputeGap]) -> dict[str, list[RecomputeGap]]:
     batches: dict[str, list[RecomputeGap]] = defaultdict(list)
     for g in gaps:
         batches[g.kind].append(g)
+    return batches
+
+
+def _greedy(gaps: list[RecomputeGap], trial, seen: dict, trials: int) -> _Trial:
+    """Batches added cheapest per byte first, then partly shed or added (module docstring)."""
+    best = trial(frozenset())
+    batches = _batches(gaps)
     order = sorted(batches, key=lambda k: _price(batches[k]))
     kept = []
     for kind in order:  # whole batches, cheapest per byte first
@@ -337,14 +258,32 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
             if candidate.better_than(best):
                 best = candidate
                 break
-    logger.debug(
-        "recompute: %d of %d gaps chosen after %d trials, overhead %.1f %%",
-        len(best.chosen),
-        len(gaps),
-        len(seen),
-        100 * best.overhead,
-    )
-    return best.schedule
+    return best
+
+
+def _refine(best: _Trial, gaps: list[RecomputeGap], trial, seen: dict, trials: int) -> _Trial:
+    """Improve ``best`` batch by batch of ``gaps``: stop recomputing a batch it recomputes
+    (the costliest per byte first; all of it, else the half the link hides best), then start
+    recomputing the rest of one (the cheapest first; all, else the half the link hides
+    worst), keeping each move that helps, in passes while one does."""
+    improved = True
+    while improved and not _settled(best, seen, trials):
+        improved = False
+        kept = _batches([g for g in gaps if g in best.chosen])
+        left = _batches([g for g in gaps if g not in best.chosen])
+        moves = [(kept[k], True) for k in sorted(kept, key=lambda k: -_price(kept[k])[0])]
+        moves += [(left[k], False) for k in sorted(left, key=lambda k: _price(left[k]))]
+        for batch, shed in moves:
+            ranked = sorted(batch, key=lambda g: -g.slack if shed else g.slack)
+            for part in (ranked, ranked[: len(ranked) // 2]):
+                if _settled(best, seen, trials) or not part:
+                    break
+                change = frozenset(part)
+                candidate = trial(best.chosen - change if shed else best.chosen | change)
+                if candidate.better_than(best):
+                    best, improved = candidate, True
+                    break
+    return best
 
 
 def _settled(best: _Trial, seen: dict, trials: int) -> bool:

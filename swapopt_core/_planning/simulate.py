@@ -31,9 +31,17 @@ Actions, issued at compute time ``t``:
 ``recompute``. With ``k`` the last op that has run (``i - 1`` in ``pre`` of op ``i``, ``i`` in
 ``post``), ``s`` is recomputable when nothing in ops ``producer+1 .. k`` wrote ``s`` or any of
 the producer's *inputs* (the storages it accessed and did not create), and no input has been
-freed. A release without a host copy asks more: that this holds until ``s`` is next read (or
-until the end, for a kept output), inputs still alive then. Other outputs of the producer are
-temporaries of the recompute and are not counted.
+freed. A release without a host copy asks more: that ``s`` has a recipe (below) and that this
+holds until ``s`` is next read (or until the end, for a kept output; now, for a storage past
+its last access). Other outputs of the producer are temporaries of the recompute and are not
+counted.
+
+**Recipes** (``recipes.py``). As the replay does, the simulator keeps a recipe for every
+storage with a ``RECOMPUTE`` action or released without ever being copied out, from its
+producer to its drop op (or, when it is off the device without a host copy then, until it
+dies). A recipe holds its producer's inputs: an input whose last access passed while a recipe
+still holds it stays alive (on the device, unless released) and dies when the last such
+recipe goes.
 
 Op ``i``: a storage appears on the device at the start of its first access (normally the
 write that creates it). An accessed storage that is not on the device is brought back on
@@ -43,8 +51,9 @@ storage is recomputed, its inputs brought back first by the same rule
 (``demand_recomputes``). The op starts at ``max(t, ends of the copies into the storages it
 accesses, ends of the copies out of the storages it writes)`` and runs for its duration; a
 write makes the host copy stale (it is never copied back). Natural free: after the post
-actions of op ``i``, every storage whose last access is op ``i`` and that is not retained
-leaves the device, with its host copy; its memory returns when the copies still using it end
+actions of op ``i``, every storage freed then (its last access, or the trace's ``freed_after``
+for one the caller held longer) that is not retained and no recipe holds leaves the device,
+with its host copy; its memory returns when the copies still using it end
 (at ``t`` when none runs). Retained storages must be on the device when the step ends: one
 still off is brought back then, and the step ends when the last copy into one lands. Storage
 ids absent from ``storage_sizes`` never count.
@@ -63,6 +72,7 @@ from collections.abc import Sequence
 from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 from swapopt_core._planning.machine import CopySpan, Machine, RecomputeSpan, SimulationResult
+from swapopt_core._planning.recipes import recipe_lives
 
 __all__ = [
     "CopySpan",
@@ -103,7 +113,7 @@ def simulate(
             not on the device, or needs a host copy that does not exist.
     """
     ix = index if index is not None else TraceIndex(trace)
-    machine = Machine(ix, record=record)
+    machine = Machine(ix, record=record, recipes=recipe_lives(ix, schedule))
     pre: dict[int, Sequence] = {}
     post: dict[int, Sequence] = {}
     if schedule is not None:

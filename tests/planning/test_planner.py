@@ -81,9 +81,16 @@ def check(trace: ActivationTrace, plan: ResidencySchedule, budget: int | None = 
     assert result.ignored_actions == 0
     assert result.peak_bytes <= (budget if budget is not None else trace.memory_limit_bytes)
     ix = TraceIndex(trace)
+    # Storages made again after their last access (a recompute revives them for a chain):
+    # a recipe holds them, so the plan releases them there and after each revival.
+    revived = {
+        a.storage_id
+        for _, op, a in plan.actions()
+        if a.kind is ActionKind.RECOMPUTE and op > ix.last[a.storage_id]
+    }
     for side, op, action in plan.actions():
         sid = action.storage_id
-        if action.kind is RELEASE:
+        if action.kind is RELEASE and sid not in revived:
             assert op != ix.last[sid] or side == "pre", "released at its last access"
             assert (op if side == "post" else op - 1) < ix.last[sid] or sid in kept
     return result

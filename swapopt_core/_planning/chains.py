@@ -65,7 +65,9 @@ def recover_limits(ix: TraceIndex) -> dict[int, int]:
 
     Nothing may write it or its producer's inputs after the producer before ``p``, and each
     input must be alive at ``p`` (accessed at ``p`` or later, or kept after the step), or be
-    made again there in turn.
+    made again there in turn. An input the caller holds past its last access may be released
+    there for good (its *tail*), so it counts as alive only up to that access: past it, it
+    must be revivable.
     """
     limits: dict[int, int] = {}
     for sid in sorted(ix.producer, key=lambda s: (ix.producer[s], s)):
@@ -75,10 +77,19 @@ def recover_limits(ix: TraceIndex) -> dict[int, int]:
             limit = min(limit, _next_write(ix, x, producer))
             if x in ix.retained:
                 continue
-            alive = ix.end[x]
+            alive = ix.last[x] if has_tail(ix, x, limits) else ix.end[x]
             limit = min(limit, max(alive, limits.get(x, alive)))
         limits[sid] = limit
     return limits
+
+
+def has_tail(ix: TraceIndex, sid: int, limits: dict[int, int]) -> bool:
+    """Whether ``sid`` may be released for good after its last access (a *tail*): the
+    caller holds it past that access and it can be made again there."""
+    if sid in ix.retained or sid not in limits:
+        return False
+    last = ix.last[sid]
+    return last < ix.end[sid] and last < limits[sid]
 
 
 def _next_write(ix: TraceIndex, sid: int, after: int) -> int:

@@ -38,7 +38,13 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from swapopt_core._planning.chains import Placer, recover_limits, revive_cost, virtual_plan
+from swapopt_core._planning.chains import (
+    Placer,
+    has_tail,
+    recover_limits,
+    revive_cost,
+    virtual_plan,
+)
 from swapopt_core._planning.ir import ResidencySchedule
 from swapopt_core._planning.segments import checkpoint_choices
 from swapopt_core._planning.simulate import TraceIndex, simulate
@@ -106,8 +112,8 @@ def recompute_gaps(
             continue
         name = re.sub(r"\d+", "#", trace.ops[producer].name)
         last, end = ix.last[sid], ix.end[sid]
-        held = sid not in ix.retained and last < end and last < limits[sid]
-        if held and (budget is None or over[end + 1] > over[last + 1] or everything):
+        binds = budget is None or over[end + 1] > over[last + 1] or everything
+        if has_tail(ix, sid, limits) and binds:
             kind = f"{name} tail"  # released for good after its last access: free
             found.append(RecomputeGap(sid, last, end, producer, 0.0, size, kind, math.inf, True))
         if cost >= move and not everything:

@@ -218,3 +218,28 @@ def test_per_layer_checkpointing_of_a_llama_step_never_beats_the_planner():
     result = check(trace, TimedPlanner().plan(trace))
     assert result.total_ms <= checkpointed.total_ms
     assert checkpointed.total_ms > index.total_ms  # checkpointing costs something here
+
+
+def test_a_storage_released_for_good_is_never_needed_where_it_cannot_be_made_again():
+    """``y = f(x)`` is held by the caller past its last access (a tail) and ``z = g(y)`` is
+    read again late. Released for good after ``g``, ``y`` can be made again only while ``x``
+    lives: a recompute of ``z`` after that would need ``y`` back from nothing. Such a gap is
+    never offered, so every gap offered can be placed together with every tail."""
+    ops = [
+        op("make_x", writes=(0,), pure=False),
+        op("f", reads=(0,), writes=(1,)),
+        op("g", reads=(1,), writes=(2,)),
+        op("use_x", reads=(0,)),
+        *[op(f"work{k}", writes=(10 + k,), pure=False) for k in range(4)],
+        op("read_z", reads=(2,)),
+        op("end"),
+    ]
+    sizes = {0: MB, 1: MB, 2: MB, **{10 + k: 2 * MB for k in range(4)}}
+    trace = trace_of(ops, sizes, limit=3 * MB, freed_after={1: 9})
+    ix = TraceIndex(trace)
+    gaps = recompute_gaps(ix, everything=True)
+    assert any(g.tail and g.sid == 1 for g in gaps)
+    assert not any(g.sid == 2 and g.b > 3 for g in gaps)  # y cannot be made after use_x
+    # Before: the placement asked for y back at read_z and failed on x (KeyError).
+    virtual_plan(ix, gaps, 3 * MB, lambda ix, budget: ResidencySchedule())
+    check(trace, TimedPlanner().plan(trace))

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from swapopt_core._activations.calls import device_of, storage_of, written_tensors
 from swapopt_core._activations.gradients import GradientWatch
 from swapopt_core._activations.guards import CompileWatch, compiled_refusal
 from swapopt_core._activations.handover import Handover
@@ -55,41 +56,6 @@ class _Open:
     accesses: dict[int, AccessKind] = field(default_factory=dict)
     outputs: dict[int, int] = field(default_factory=dict)  # sid -> output position
     devices: frozenset[str] | None = None  # recording: set when it may be recomputed
-
-
-def _storage(value: object) -> torch.UntypedStorage | None:
-    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
-        return None
-    try:
-        return value.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensors ``func`` writes in place, matched by schema argument (position or name)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
-    written = []
-    for position, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
-        written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    return written
-
-
-def _device_of(inputs: object) -> torch.device:
-    """Where an op's activations go: the first accelerator (not CPU or meta) among its
-    tensors and its ``device`` argument (``x.to("cuda")`` reads a CPU tensor), else CPU."""
-    leaves = tree_leaves(inputs)
-    kwargs = inputs[-1] if isinstance(inputs, tuple) and inputs else None
-    wanted = kwargs.get("device") if isinstance(kwargs, dict) else None
-    devices = [v.device for v in leaves if isinstance(v, torch.Tensor)]
-    if wanted is not None:
-        devices.insert(0, torch.device(wanted))
-    return next((d for d in devices if d.type not in ("cpu", "meta")), torch.device("cpu"))
 
 
 class _Deaths:
@@ -158,7 +124,7 @@ class Entry(Handover, ReplayPath):
 
     def _start(self, inputs: object) -> None:
         """The first op: take the runtime that serves the device its tensors are on."""
-        self.runtime, pool = self.executor.runtime_for(_device_of(inputs))
+        self.runtime, pool = self.executor.runtime_for(device_of(inputs))
         self.residency = Residency(self.runtime, pool)
         self._check = self.runtime.begin_entry()
         self.residency.regenerate = self._regenerate
@@ -186,7 +152,7 @@ class Entry(Handover, ReplayPath):
                 return self._replay(index, func, args, kwargs)
             if self._leave(name):  # another kept plan goes on from here
                 return self._replay(index, func, args, kwargs)
-        written = _written(func, args, kwargs)
+        written = written_tensors(func, args, kwargs)
         room = fresh_bytes(func, args, kwargs) if self._served(args, kwargs) else 0
         opened = self._begin(name, (args, kwargs), written, room)
         if self.recording:
@@ -200,7 +166,7 @@ class Entry(Handover, ReplayPath):
 
     def _served(self, args: tuple, kwargs: dict) -> bool:
         """Whether an op's new storages would land on the device this entry serves."""
-        return self.runtime.serves(_device_of((args, kwargs)))
+        return self.runtime.serves(device_of((args, kwargs)))
 
     def _begin(
         self, name: str, inputs: object, written: list[torch.Tensor], room: int = 0
@@ -217,7 +183,7 @@ class Entry(Handover, ReplayPath):
             writes = {id(t) for t in written}
             touched = []
             for value in tree_leaves(inputs):
-                storage = _storage(value)
+                storage = storage_of(value)
                 if storage is None:
                     continue
                 opened.inputs.add(storage)
@@ -253,7 +219,7 @@ class Entry(Handover, ReplayPath):
             self._replay_post(opened.index, out)
             return out
         for position, value in enumerate(tree_leaves(out)):
-            storage = _storage(value)
+            storage = storage_of(value)
             if storage is None or storage in opened.inputs or not self._ours(storage):
                 continue
             known = residency.by_storage.get(storage)
@@ -293,7 +259,7 @@ class Entry(Handover, ReplayPath):
             return  # nothing is away or in flight: the common, cheap case
         # Matched by object among the storages away or in flight (a replay registers its
         # storages by id only).
-        storages = {id(s) for value in tree_leaves(inputs) if (s := _storage(value)) is not None}
+        storages = {id(s) for value in tree_leaves(inputs) if (s := storage_of(value)) is not None}
         by_sid = residency.by_sid
         for sid in [*residency.released, *residency.pending_in]:
             entry = by_sid.get(sid)

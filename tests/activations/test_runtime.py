@@ -10,8 +10,8 @@ import torch
 
 from swapopt_core import OffloadConfig, OffloadSession
 from swapopt_core._activations.async_runtime import AsyncLoopbackRuntime
+from swapopt_core._activations.calls import device_of
 from swapopt_core._activations.cuda_runtime import CudaActivationRuntime
-from swapopt_core._activations.entry import _device_of
 from swapopt_core._activations.runtime import (
     ActivationRuntime,
     byte_view,
@@ -60,10 +60,10 @@ def test_auto_follows_the_device_of_the_first_tensor(cuda_claimed: None) -> None
     assert type(choose_runtime("loopback")) is ActivationRuntime
     assert type(choose_runtime("loopback-async")) is AsyncLoopbackRuntime
     cpu, meta, cuda = torch.ones(2), torch.ones(2, device="meta"), torch.device("cuda", 1)
-    assert _device_of(((cpu, meta), {})) == torch.device("cpu")
-    assert _device_of(((cpu,), {"device": cuda})) == cuda  # x.to("cuda") makes CUDA activations
-    assert _device_of(((), {"size": [2], "device": torch.device("meta")})) == torch.device("cpu")
-    assert _device_of(((), {"size": [2], "device": None})) == torch.device("cpu")
+    assert device_of(((cpu, meta), {})) == torch.device("cpu")
+    assert device_of(((cpu,), {"device": cuda})) == cuda  # x.to("cuda") makes CUDA activations
+    assert device_of(((), {"size": [2], "device": torch.device("meta")})) == torch.device("cpu")
+    assert device_of(((), {"size": [2], "device": None})) == torch.device("cpu")
 
 
 def test_cuda_without_cuda_fails_at_entry_and_names_the_fix(monkeypatch) -> None:

@@ -97,8 +97,9 @@ class TimedPlanner(ResidencyPlanner):
         check = simulate(trace, schedule, record=False, index=ix)
         if check.peak_bytes > budget:
             logger.warning(
-                "Activation plan peaks at %s, over the %s budget.",
+                "Activation plan peaks at %s, %s over the %s budget.",
                 format_bytes(check.peak_bytes),
+                format_bytes(check.peak_bytes - budget),
                 format_bytes(budget),
             )
         logger.info(

@@ -252,13 +252,9 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
                 cli.simulate_checked(trace, schedule, args.schedule)
             else:
                 trace, schedule, _ = cli.plan_file(args.trace, args.budget_mb, args.planner)
-            result = None
-
-            def draw(temporary: str) -> None:
-                nonlocal result
-                result = plot_timeline(trace, schedule, temporary)
-
-            cli.atomic_write(args.out, draw)
+            result = cli.atomic_write(
+                args.out, lambda temporary: plot_timeline(trace, schedule, temporary)
+            )
         except (cli.CommandError, ModuleNotFoundError) as error:  # matplotlib is optional
             return _user_error(parser, str(error))
         recomputed = result.recomputes + result.demand_recomputes
@@ -380,7 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     logger.debug("running command %s", args.command)
+    handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        return args.handler(args)
+        return handler(args)
     except SystemExit as exc:  # parser.error() raised from inside a handler
         return _exit_code(exc)

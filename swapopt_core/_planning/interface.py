@@ -37,8 +37,9 @@ class ResidencyPlanner(ABC):
     must not keep state between calls.
     """
 
-    #: Name selected by ``OffloadConfig.planner`` and ``swapopt plan --planner``.
-    name: ClassVar[str]
+    #: Name selected by ``OffloadConfig.planner`` and ``swapopt plan --planner`` (a class
+    #: attribute, or set per instance where one class registers under several names).
+    name: str
 
     @abstractmethod
     def plan(self, trace: ActivationTrace) -> ResidencySchedule:

@@ -11,8 +11,8 @@ import math
 import os
 import secrets
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, TypeVar
 
 import pluggy

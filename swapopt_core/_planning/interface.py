@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import ClassVar
 
 from swapopt_core._planning.ir import DEFAULT_MIN_OFFLOAD_BYTES, ActivationTrace, ResidencySchedule
 

@@ -14,6 +14,7 @@ import pluggy
 
 from swapopt_core._engine_base import EngineBase
 from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._launch import warn_without_run
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core.hookspecs import PROJECT, SwapOptSpecs
@@ -59,6 +60,8 @@ def new_plugin_manager(*, load_entrypoints: bool = True) -> pluggy.PluginManager
     Returns:
         The manager, with every registered implementation validated against the specs.
     """
+    # The offload flag set without `swapopt run`: say once, on first use, what to run instead.
+    warn_without_run()
     manager = pluggy.PluginManager(PROJECT)
     manager.add_hookspecs(SwapOptSpecs)
     for dotted in DEFAULT_PLUGINS:

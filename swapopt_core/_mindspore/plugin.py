@@ -6,11 +6,11 @@ one of its families is swapped, so it costs nothing where MindSpore is not insta
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 from swapopt_core._engine_base import EngineBase
 from swapopt_core._mindspore.adapter import MindSporeAdapter
-from swapopt_core._mindspore.engine import MindSporeSwapEngine
 from swapopt_core._mindspore.families import (
     MindFormersAdamWAdapter,
     NnAdamAdapter,
@@ -33,4 +33,10 @@ def swapopt_register_optimizer_adapters() -> Iterable[MindSporeAdapter]:
 
 @hookimpl
 def swapopt_register_engines() -> Iterable[type[EngineBase]]:
+    # No MindSpore optimizer exists before MindSpore is imported; until then the engine
+    # (and all it imports) stays unloaded, so swapping a torch optimizer loads none of it.
+    if "mindspore" not in sys.modules:
+        return []
+    from swapopt_core._mindspore.engine import MindSporeSwapEngine
+
     return [MindSporeSwapEngine]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 import pytest
@@ -48,7 +49,9 @@ def _adam() -> torch.optim.Adam:
 
 def test_the_built_in_engines_are_registered_as_plugins() -> None:
     engines = engine_classes(new_plugin_manager(load_entrypoints=False))
-    assert set(engines) == {SwapEngine, MindSporeSwapEngine}
+    assert SwapEngine in engines
+    # The MindSpore engine is registered once MindSpore is imported (no Cell exists before).
+    assert (MindSporeSwapEngine in engines) == ("mindspore" in sys.modules)
     assert _engine_class(_adam()) is SwapEngine
 
 
@@ -78,7 +81,6 @@ def test_an_optimizer_no_engine_serves_names_the_registered_engines() -> None:
     assert "builtins.object" in message
     assert f"{__name__}.CountingEngine (torch)" in message
     assert "swapopt_core._torch.engine.SwapEngine (torch)" in message
-    assert "swapopt_core._mindspore.engine.MindSporeSwapEngine (mindspore)" in message
     assert "swapopt_register_engines" in message
 
 

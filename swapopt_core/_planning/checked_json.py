@@ -24,6 +24,7 @@ __all__ = [
     "as_list",
     "as_number",
     "as_object",
+    "as_record",
     "as_text",
     "choice",
     "fail",
@@ -69,6 +70,15 @@ def as_object(value: object, path: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         fail(path, value, "a JSON object")
     return value
+
+
+def as_record(value: object, path: str, required: tuple[str, ...], what: str) -> dict[str, Any]:
+    """A JSON object that has every key in ``required`` (``what`` names it: "an op")."""
+    record = as_object(value, path)
+    for key in required:
+        if key not in record:
+            fail(path, value, f"{what} with a {key!r}")
+    return record
 
 
 def as_list(value: object, path: str) -> list[Any]:

@@ -248,10 +248,7 @@ def _op_json(op: TraceOp) -> dict[str, object]:
 
 
 def _op_from(value: object, path: str) -> TraceOp:
-    op = cj.as_object(value, path)
-    for key in ("name", "duration_ms"):
-        if key not in op:
-            cj.fail(path, value, f"an op with a {key!r}")
+    op = cj.as_record(value, path, ("name", "duration_ms"), "an op")
     accesses = cj.as_list(op.get("accesses", []), f"{path}.accesses")
     return TraceOp(
         cj.as_text(op["name"], f"{path}.name"),
@@ -330,10 +327,7 @@ def _side_from(data: Mapping[str, Any], side: str) -> dict[int, list[Action]]:
 
 
 def _action_from(value: object, path: str) -> Action:
-    action = cj.as_object(value, path)
-    for key in ("storage_id", "kind"):
-        if key not in action:
-            cj.fail(path, value, f"an action with a {key!r}")
+    action = cj.as_record(value, path, ("storage_id", "kind"), "an action")
     return Action(
         cj.as_int(action["storage_id"], f"{path}.storage_id", minimum=None, what="a storage id"),
         cj.choice(action["kind"], f"{path}.kind", ActionKind),
@@ -348,10 +342,7 @@ def _access_json(access: Access) -> dict[str, object]:
 
 
 def _access_from(value: object, path: str) -> Access:
-    access = cj.as_object(value, path)
-    for key in ("storage_id", "kind"):
-        if key not in access:
-            cj.fail(path, value, f"an access with a {key!r}")
+    access = cj.as_record(value, path, ("storage_id", "kind"), "an access")
     output = access.get("output")
     return Access(
         cj.as_int(access["storage_id"], f"{path}.storage_id", minimum=None, what="a storage id"),

@@ -68,7 +68,7 @@ def _no_engine(optimizer: object, manager: pluggy.PluginManager) -> TypeError:
 
 
 def _pick_runtime(
-    optimizer: Any,
+    optimizer: object,
     config: SwapOptimizerConfig,
     manager: pluggy.PluginManager,
     engine_class: type[EngineBase],
@@ -96,7 +96,9 @@ def _pick_runtime(
     return next(iter(matching.values()))()
 
 
-def _check_serves(engine_class: type[EngineBase], runtime: TransferRuntime, optimizer: Any) -> None:
+def _check_serves(
+    engine_class: type[EngineBase], runtime: TransferRuntime, optimizer: object
+) -> None:
     """Refuse a named runtime that would swap nothing (``"auto"`` picks by device already)."""
     types = engine_class.param_devices(optimizer)
     if types and not engine_class.runtime_serves(runtime, optimizer):
@@ -109,7 +111,7 @@ def _check_serves(engine_class: type[EngineBase], runtime: TransferRuntime, opti
 
 
 def _pick_adapter(
-    optimizer: Any, config: SwapOptimizerConfig, manager: pluggy.PluginManager, framework: str
+    optimizer: object, config: SwapOptimizerConfig, manager: pluggy.PluginManager, framework: str
 ) -> Any:
     """The adapter serving ``optimizer``, after checking the config against its family."""
     adapters = optimizer_adapters(manager, framework)
@@ -240,7 +242,7 @@ def unswap_optimizer(optimizer: OptimizerT) -> OptimizerT:
     return optimizer
 
 
-def offload_optimizer_state(optimizer: Any) -> int:
+def offload_optimizer_state(optimizer: object) -> int:
     """Take swappable state that something moved back to the device into host memory now.
 
     Frameworks restore checkpoints by moving optimizer state to the parameters' device
@@ -257,7 +259,7 @@ def offload_optimizer_state(optimizer: Any) -> int:
     return engine.offload()
 
 
-def swap_stats(optimizer: Any) -> SwapStats:
+def swap_stats(optimizer: object) -> SwapStats:
     """Memory and traffic of a swapped optimizer.
 
     Waits for the copies of the last step first, so that the host state (``optimizer.state``)

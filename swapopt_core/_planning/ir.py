@@ -19,7 +19,6 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 from swapopt_core._planning import checked_json as cj
 
@@ -223,7 +222,7 @@ def _known_sid(value: object, path: str, sizes: Mapping[int, int]) -> int:
     return sid
 
 
-def _freed_after(data: Mapping[str, Any], sizes: Mapping[int, int]) -> dict[int, int]:
+def _freed_after(data: Mapping[str, object], sizes: Mapping[int, int]) -> dict[int, int]:
     found = {}
     for key, op in cj.as_object(data.get("freed_after", {}), "freed_after").items():
         path = f"freed_after[{key!r}]"
@@ -232,7 +231,7 @@ def _freed_after(data: Mapping[str, Any], sizes: Mapping[int, int]) -> dict[int,
     return found
 
 
-def _bandwidth(data: Mapping[str, Any], key: str) -> float:
+def _bandwidth(data: Mapping[str, object], key: str) -> float:
     return cj.as_number(data.get(key, 16.0), key, positive=True, unit="GB/s")
 
 
@@ -316,7 +315,7 @@ class ResidencySchedule:
         return cls(_side_from(data, "pre"), _side_from(data, "post"))
 
 
-def _side_from(data: Mapping[str, Any], side: str) -> dict[int, list[Action]]:
+def _side_from(data: Mapping[str, object], side: str) -> dict[int, list[Action]]:
     result: dict[int, list[Action]] = {}
     for op, items in cj.as_object(data.get(side, {}), side).items():
         path = f"{side}[{op!r}]"

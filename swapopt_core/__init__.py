@@ -1,6 +1,5 @@
 """swapopt core: optimizer state and activations in host memory, brought back just in time."""
 
-from swapopt_core import _launch
 from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.runtime import ActivationRuntime
 from swapopt_core._activations.session import OffloadSession, OffloadStats, skip_offload
@@ -50,6 +49,3 @@ __all__ = [
     "swap_stats",
     "unswap_optimizer",
 ]
-
-# The offload flag set without `swapopt run`: say once what to run instead.
-_launch.warn_without_run()

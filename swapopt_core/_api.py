@@ -1,13 +1,13 @@
 """Public entry points: install, remove and inspect the optimizer-state swap.
 
-Framework-neutral: each backend's engine class says whether it ``serves`` an optimizer,
-and everything after that choice is a call on ``EngineBase``. The backends are imported
-here, on first use, and nowhere else in the neutral core.
+Framework-neutral: the engine classes come from plugins (hook ``swapopt_register_engines``;
+the built-in torch and MindSpore engines are registered by their backends' plugin modules),
+each says whether it ``serves`` an optimizer, and everything after that choice is a call on
+``EngineBase``.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import warnings
 from typing import Any, TypeVar
@@ -18,7 +18,12 @@ from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._engine_base import EngineBase, engine_of
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._launch import note_swapped
-from swapopt_core._plugins import get_plugin_manager, optimizer_adapters, runtime_classes
+from swapopt_core._plugins import (
+    engine_classes,
+    get_plugin_manager,
+    optimizer_adapters,
+    runtime_classes,
+)
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core._stats import SwapStats
 
@@ -37,26 +42,33 @@ _warned_cpu_auto = False
 #: A torch optimizer or a MindSpore optimizer Cell; the functions hand back the same object.
 OptimizerT = TypeVar("OptimizerT")
 
-#: The engine classes, asked in this order whether they serve an optimizer. Imported on
-#: first use, so looking at a torch optimizer never imports the MindSpore engine.
-ENGINES = (
-    "swapopt_core._torch.engine:SwapEngine",
-    "swapopt_core._mindspore.engine:MindSporeSwapEngine",
-)
+
+def _engine_class(
+    optimizer: object, manager: pluggy.PluginManager | None = None
+) -> type[EngineBase] | None:
+    """The first registered engine class that serves ``optimizer``, if any."""
+    engines = engine_classes(get_plugin_manager() if manager is None else manager)
+    return next((engine for engine in engines if engine.serves(optimizer)), None)
 
 
-def _engine_class(optimizer: object) -> type[EngineBase] | None:
-    """The engine class of the first backend that serves ``optimizer``, if any."""
-    for dotted in ENGINES:
-        module, _, name = dotted.partition(":")
-        engine_class: type[EngineBase] = getattr(importlib.import_module(module), name)
-        if engine_class.serves(optimizer):
-            return engine_class
-    return None
+def _no_engine(optimizer: object, manager: pluggy.PluginManager) -> TypeError:
+    """The error for an optimizer no registered engine serves, naming those registered."""
+    engines = engine_classes(manager)
+    registered = ", ".join(
+        f"{engine.__module__}.{engine.__qualname__} ({engine.framework})" for engine in engines
+    )
+    return TypeError(
+        "swap_optimizer needs a torch.optim.Optimizer or a MindSpore optimizer Cell, got "
+        f"{type(optimizer).__module__}.{type(optimizer).__qualname__}, which no registered "
+        f"swap engine serves (registered: {registered or 'none'}). Pass the optimizer itself, "
+        "not a framework wrapper (e.g. use lightning_optimizer.optimizer or "
+        "accelerated_optimizer.optimizer), or register a plugin whose "
+        "swapopt_register_engines serves it."
+    )
 
 
 def _pick_runtime(
-    optimizer: Any,
+    optimizer: object,
     config: SwapOptimizerConfig,
     manager: pluggy.PluginManager,
     engine_class: type[EngineBase],
@@ -84,7 +96,9 @@ def _pick_runtime(
     return next(iter(matching.values()))()
 
 
-def _check_serves(engine_class: type[EngineBase], runtime: TransferRuntime, optimizer: Any) -> None:
+def _check_serves(
+    engine_class: type[EngineBase], runtime: TransferRuntime, optimizer: object
+) -> None:
     """Refuse a named runtime that would swap nothing (``"auto"`` picks by device already)."""
     types = engine_class.param_devices(optimizer)
     if types and not engine_class.runtime_serves(runtime, optimizer):
@@ -97,7 +111,7 @@ def _check_serves(engine_class: type[EngineBase], runtime: TransferRuntime, opti
 
 
 def _pick_adapter(
-    optimizer: Any, config: SwapOptimizerConfig, manager: pluggy.PluginManager, framework: str
+    optimizer: object, config: SwapOptimizerConfig, manager: pluggy.PluginManager, framework: str
 ) -> Any:
     """The adapter serving ``optimizer``, after checking the config against its family."""
     adapters = optimizer_adapters(manager, framework)
@@ -166,14 +180,10 @@ def swap_optimizer(
     config = SwapOptimizerConfig() if config is None else config
     if not isinstance(config, SwapOptimizerConfig):
         raise TypeError(f"config must be a SwapOptimizerConfig, got {type(config).__name__}.")
-    engine_class = _engine_class(optimizer)
+    manager = get_plugin_manager() if plugin_manager is None else plugin_manager
+    engine_class = _engine_class(optimizer, manager)
     if engine_class is None:
-        raise TypeError(
-            "swap_optimizer needs a torch.optim.Optimizer or a MindSpore optimizer Cell, got "
-            f"{type(optimizer).__name__}. "
-            "Pass the optimizer itself, not a framework wrapper (e.g. use "
-            "lightning_optimizer.optimizer or accelerated_optimizer.optimizer)."
-        )
+        raise _no_engine(optimizer, manager)
     existing = engine_of(optimizer)
     if existing is not None:
         if existing.config == config:
@@ -182,7 +192,6 @@ def swap_optimizer(
             f"{type(optimizer).__name__} is already swapped with {existing.config}. "
             "Call unswap_optimizer(optimizer) before installing another config."
         )
-    manager = get_plugin_manager() if plugin_manager is None else plugin_manager
     adapter = _pick_adapter(optimizer, config, manager, engine_class.framework)
     runtime = _pick_runtime(optimizer, config, manager, engine_class)
     if runtime is None:
@@ -233,7 +242,7 @@ def unswap_optimizer(optimizer: OptimizerT) -> OptimizerT:
     return optimizer
 
 
-def offload_optimizer_state(optimizer: Any) -> int:
+def offload_optimizer_state(optimizer: object) -> int:
     """Take swappable state that something moved back to the device into host memory now.
 
     Frameworks restore checkpoints by moving optimizer state to the parameters' device
@@ -250,7 +259,7 @@ def offload_optimizer_state(optimizer: Any) -> int:
     return engine.offload()
 
 
-def swap_stats(optimizer: Any) -> SwapStats:
+def swap_stats(optimizer: object) -> SwapStats:
     """Memory and traffic of a swapped optimizer.
 
     Waits for the copies of the last step first, so that the host state (``optimizer.state``)

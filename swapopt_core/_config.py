@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from swapopt_core._options import (
     NO,
@@ -18,15 +19,65 @@ from swapopt_core._options import (
     read_options,
 )
 
-__all__ = ["SwapOptimizerConfig"]
+__all__ = ["OptionsConfig", "SwapOptimizerConfig"]
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+C = TypeVar("C", bound="OptionsConfig")
+
+
+class OptionsConfig:
+    """A config the integrations build from loose options: a YAML section, ``SWAPOPT_*``
+    environment variables or command-line flags. Each config says how it reads its fields
+    (``option_readers``); ``from_options`` is the one way they are read."""
+
+    @classmethod
+    def option_readers(cls, framework: str | None) -> dict[str, Option]:
+        """How ``from_options`` reads each field (``framework`` as given to it)."""
+        raise NotImplementedError(f"{cls.__name__} declares no option readers.")
+
+    @classmethod
+    def from_options(
+        cls: type[C],
+        values: Mapping[str, object],
+        *,
+        source: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        framework: str | None = None,
+        base: C | None = None,
+    ) -> C:
+        """Build a config from options as a YAML file, the environment or flags give them.
+
+        Every integration reads its settings through here; ``option_readers`` says what each
+        field accepts.
+
+        Args:
+            values: Field name to value; fields not given keep ``base``'s value.
+            source: What holds the values, named in errors. Default: the class name.
+            labels: How errors name each field (for example its environment variable).
+            framework: ``"torch"`` or ``"mindspore"``, for configs whose names depend on
+                the framework's registered plugins (``SwapOptimizerConfig``); ``None``
+                checks what the config can without one.
+            base: Values of the fields not given. Default: the field defaults.
+
+        Raises:
+            ValueError: An unknown field or a value the field does not accept; the message
+                names the field as ``source.field`` (or its label), shows the value and
+                says what is accepted.
+        """
+        options = cls.option_readers(framework)
+        read = read_options(
+            options, values, source=cls.__name__ if source is None else source, labels=labels
+        )
+        kept = {} if base is None else {name: getattr(base, name) for name in options}
+        return cls(**{**kept, **read})
+
+
 @dataclass(frozen=True)
-class SwapOptimizerConfig:
+class SwapOptimizerConfig(OptionsConfig):
     """How an optimizer's state is kept in host memory and streamed through the step.
 
     Args:
@@ -131,40 +182,14 @@ class SwapOptimizerConfig:
             )
 
     @classmethod
-    def from_options(
-        cls,
-        values: Mapping[str, object],
-        *,
-        source: str = "SwapOptimizerConfig",
-        labels: Mapping[str, str] | None = None,
-        framework: str | None = None,
-        base: SwapOptimizerConfig | None = None,
-    ) -> SwapOptimizerConfig:
-        """Build a config from options as a YAML file, the environment or flags give them.
-
-        Every integration reads its settings through here. Strings are accepted for every
-        field: integers as decimal text, booleans as yes/no words, ``packed_swap`` also as
-        ``auto``, ``state_keys`` as comma-separated names.
-
-        Args:
-            values: Field name to value; fields not given keep ``base``'s value.
-            source: What holds the values, named in errors.
-            labels: How errors name each field (for example its environment variable).
-            framework: ``"torch"`` or ``"mindspore"``: check ``runtime`` against that
-                framework's registered runtimes and ``state_keys`` against its families'
-                state names, here rather than at install. ``None`` checks types only.
-            base: Values of the fields not given. Default: the field defaults.
-
-        Raises:
-            ValueError: An unknown field or a value the field does not accept; the message
-                names the field as ``source.field`` (or its label), shows the value and
-                says what is accepted.
-        """
-        options = _swap_options(framework)
-        read = read_options(options, values, source=source, labels=labels)
-        current = base or cls()
-        fields = {name: getattr(current, name) for name in options}
-        return cls(**{**fields, **read})
+    def option_readers(cls, framework: str | None) -> dict[str, Option]:
+        """How ``from_options`` reads each field. Strings are accepted for every field:
+        integers as decimal text, booleans as yes/no words, ``packed_swap`` also as
+        ``auto``, ``state_keys`` as comma-separated names. With a ``framework`` (``"torch"``
+        or ``"mindspore"``), ``runtime`` is checked against that framework's registered
+        runtimes and ``state_keys`` against its families' state names, here rather than at
+        install; ``None`` checks types only."""
+        return _swap_options(framework)
 
 
 def _runtime_names(framework: str) -> list[str]:

@@ -2,7 +2,8 @@
 whether an integration found none to swap and said so), and the warning for a process that
 sets the offload flag without ``swapopt run``.
 
-Framework-free and cheap: imported by ``swapopt_core/__init__.py`` before anything else.
+Framework-free and cheap. Importing swapopt reads no environment: the warning comes on first
+use, when the first plugin manager is built (every swap and offload session asks for one).
 """
 
 from __future__ import annotations

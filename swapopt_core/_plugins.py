@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from swapopt_core._engine_base import EngineBase
 from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._launch import warn_without_run
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core.hookspecs import PROJECT, SwapOptSpecs
@@ -39,6 +41,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "activation_runtime_names",
     "activation_runtimes",
+    "engine_classes",
     "get_plugin_manager",
     "new_plugin_manager",
     "runtime_names",
@@ -57,6 +60,8 @@ def new_plugin_manager(*, load_entrypoints: bool = True) -> pluggy.PluginManager
     Returns:
         The manager, with every registered implementation validated against the specs.
     """
+    # The offload flag set without `swapopt run`: say once, on first use, what to run instead.
+    warn_without_run()
     manager = pluggy.PluginManager(PROJECT)
     manager.add_hookspecs(SwapOptSpecs)
     for dotted in DEFAULT_PLUGINS:
@@ -163,6 +168,22 @@ def optimizer_adapters(manager: pluggy.PluginManager, framework: str = "torch") 
             if adapter.framework == framework:
                 adapters.append(adapter)
     return adapters
+
+
+def engine_classes(manager: pluggy.PluginManager) -> list[type[EngineBase]]:
+    """Engine classes in the order they are asked: later-registered plugins first."""
+    engines: list[type[EngineBase]] = []
+    for batch in manager.hook.swapopt_register_engines():
+        for engine in batch:
+            if not (isinstance(engine, type) and issubclass(engine, EngineBase)):
+                raise SwapOptError(
+                    f"A plugin registered {engine!r} as a swap engine; swapopt_register_engines "
+                    "must return subclasses of swapopt_core._engine_base.EngineBase (classes, "
+                    "not instances)."
+                )
+            if engine not in engines:
+                engines.append(engine)
+    return engines
 
 
 def residency_planners(manager: pluggy.PluginManager) -> dict[str, ResidencyPlanner]:

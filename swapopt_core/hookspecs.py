@@ -17,6 +17,7 @@ import pluggy
 if TYPE_CHECKING:
     from swapopt_core._activations.runtime import ActivationRuntime
     from swapopt_core._config import SwapOptimizerConfig
+    from swapopt_core._engine_base import EngineBase
     from swapopt_core._mindspore.adapter import MindSporeAdapter
     from swapopt_core._planning.interface import ResidencyPlanner
     from swapopt_core._runtime import TransferRuntime
@@ -80,6 +81,20 @@ class SwapOptSpecs:
 
         Returns:
             Instances of ``swapopt_core.ResidencyPlanner`` subclasses.
+        """
+
+    @hookspec
+    def swapopt_register_engines(self) -> Iterable[type[EngineBase]]:
+        """Contribute swap engines: one per framework whose optimizers can be swapped.
+
+        Called at every ``swap_optimizer``. Each engine class says with its classmethod
+        ``serves(optimizer)`` whether an optimizer is of its framework (without importing
+        that framework); the first engine that serves it is built, and the runtimes and
+        adapters of its ``framework`` are offered to it. Engines from plugins registered
+        later are asked first, so a plugin can take over a framework a built-in serves.
+
+        Returns:
+            Engine classes, subclasses of ``swapopt_core._engine_base.EngineBase``.
         """
 
     @hookspec

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
+from swapopt_core._config import OptionsConfig
 from swapopt_core._options import (
     MAX_BYTES,
     Option,
     parse_choice,
     parse_mib,
     parse_name,
-    read_options,
 )
 from swapopt_core._planning.interface import AUTO, DEFAULT_MIN_OFFLOAD_BYTES
 
@@ -39,7 +38,7 @@ def _size(name: str, value: object, unit: str) -> None:
 
 
 @dataclass(frozen=True)
-class OffloadConfig:
+class OffloadConfig(OptionsConfig):
     """How an ``OffloadSession`` keeps activations under a device budget.
 
     Args:
@@ -107,26 +106,12 @@ class OffloadConfig:
         return int(self.min_offload_kib * 2**10)
 
     @classmethod
-    def from_options(
-        cls,
-        values: Mapping[str, object],
-        *,
-        source: str = "OffloadConfig",
-        labels: Mapping[str, str] | None = None,
-    ) -> OffloadConfig:
-        """Build a config from options as a YAML file, the environment or flags give them.
-
-        Sizes may be numbers or their text; fields not given keep their defaults. The
-        runtime name is checked against the runtimes registered with
-        ``get_plugin_manager()``; the planner name when the session is created (plugins may
-        add planners).
-
-        Raises:
-            ValueError: An unknown field or a value the field does not accept; the message
-                names the field as ``source.field`` (or its label), shows the value and
-                says what is accepted.
-        """
-        return cls(**read_options(_OPTIONS, values, source=source, labels=labels))
+    def option_readers(cls, framework: str | None) -> dict[str, Option]:
+        """How ``from_options`` reads each field: sizes as numbers or their text. The
+        runtime name is checked against the activation runtimes registered with
+        ``get_plugin_manager()`` (whatever ``framework``: activation offload is torch's);
+        the planner name when the session is created (plugins may add planners)."""
+        return _OPTIONS
 
 
 def _runtime_names() -> list[str]:

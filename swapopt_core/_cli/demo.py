@@ -112,7 +112,8 @@ class _Block(nn.Module):
         future = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
         weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
         x = x + self.proj((weights @ v).transpose(1, 2).reshape(batch, length, width))
-        return x + self.mlp(self.norm2(x))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
 
 
 class _TinyGPT(nn.Module):
@@ -132,7 +133,8 @@ class _TinyGPT(nn.Module):
         x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
 
 
 def make_batches(options: DemoOptions, count: int) -> torch.Tensor:

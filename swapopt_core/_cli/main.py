@@ -9,10 +9,10 @@ function; ``swapopt --help`` lists every registered command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from rich.console import Console
 
@@ -28,7 +28,7 @@ Configure = Callable[[argparse.ArgumentParser], Handler]
 """Declares a command's options on its parser and returns the command's handler."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Command:
     name: str
     summary: str
@@ -149,15 +149,9 @@ def _demo_command(parser: argparse.ArgumentParser) -> Handler:
     def run(args: argparse.Namespace) -> int:
         if args.width % defaults.heads:
             parser.error(f"--width must be a multiple of {defaults.heads}")
-        options = DemoOptions(
-            steps=args.steps,
-            swap_times=args.swap_times,
-            packed=args.packed,
-            device=args.device,
-            seed=args.seed,
-            layers=args.layers,
-            width=args.width,
-        )
+        # Each flag's dest is the DemoOptions field it sets.
+        flags = ("steps", "swap_times", "packed", "device", "seed", "layers", "width")
+        options = dataclasses.replace(defaults, **{name: getattr(args, name) for name in flags})
         report = run_demo(options, console=Console(stderr=True))
         console = Console()
         console.print(render_report(report))
@@ -175,23 +169,67 @@ _PLANNER_HELP = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class _TraceCommand:
+    """What ``plan`` and ``plot`` declare alike (a trace in, a budget, a planner, a file out),
+    as one command words it."""
+
+    description: str
+    trace: str
+    budget: str
+    budget_required: bool
+    out_metavar: str
+    out: str
+    planner: str
+
+    def declare(self, parser: argparse.ArgumentParser) -> None:
+        """Describe the command; declare ``--trace``, ``--budget-mb``, ``--out``, ``--planner``."""
+        parser.description = self.description
+        add = parser.add_argument
+        add("--trace", required=True, metavar="T.json", help=self.trace)
+        add("--budget-mb", required=self.budget_required, metavar="MB", help=self.budget)
+        add("--out", required=True, metavar=self.out_metavar, help=self.out)
+        add("--planner", default=AUTO, help=self.planner)
+
+
+_PLAN = _TraceCommand(
+    description=(
+        "Read an activation trace (ActivationTrace.to_json(), e.g. OffloadSession.trace), plan "
+        "it under an activation budget with a registered planner, write the residency "
+        "schedule as JSON and print what the plan does in a simulated step. The formats are "
+        "described in docs/formats.md."
+    ),
+    trace="the activation trace to plan",
+    budget="activation budget on the device, in MiB",
+    budget_required=True,
+    out_metavar="P.json",
+    out="where to write the schedule",
+    planner=_PLANNER_HELP,
+)
+_PLOT = _TraceCommand(
+    description=(
+        "Simulate one step of an activation trace with no plan and with a plan (read from "
+        "--schedule, or made now under --budget-mb), and draw resident activation memory over "
+        "time, the budget, one lane of bars per copy direction, and a compute lane with the "
+        "ops and the recomputes. Needs matplotlib (pip install 'swapopt[plot]')."
+    ),
+    trace="the activation trace",
+    budget="activation budget in MiB: without --schedule, plan the trace under it now; "
+    "with --schedule, only draw it (default: the trace's own budget)",
+    budget_required=False,
+    out_metavar="timeline.png",
+    out="the image to write",
+    planner=_PLANNER_HELP + "; with --budget-mb only",
+)
+
+
 @_command("plan", "plan a recorded activation trace under a memory budget")
 def _plan_command(parser: argparse.ArgumentParser) -> Handler:
     """Declares ``swapopt plan``: trace JSON in, residency schedule JSON out, plus a summary."""
     from swapopt_core._cli import support as cli
     from swapopt_core._planning.simulate import simulate
 
-    parser.description = (
-        "Read an activation trace (ActivationTrace.to_json(), e.g. OffloadSession.trace), plan "
-        "it under an activation budget with a registered planner, write the residency "
-        "schedule as JSON and print what the plan does in a simulated step. The formats are "
-        "described in docs/formats.md."
-    )
-    add = parser.add_argument
-    add("--trace", required=True, metavar="T.json", help="the activation trace to plan")
-    add("--budget-mb", required=True, metavar="MB", help="activation budget on the device, in MiB")
-    add("--out", required=True, metavar="P.json", help="where to write the schedule")
-    add("--planner", default=AUTO, help=_PLANNER_HELP)
+    _PLAN.declare(parser)
 
     def run(args: argparse.Namespace) -> int:
         try:
@@ -214,23 +252,10 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
     """Declares ``swapopt plot``: a PNG of resident activation memory and copies over time."""
     from swapopt_core._cli import support as cli
 
-    parser.description = (
-        "Simulate one step of an activation trace with no plan and with a plan (read from "
-        "--schedule, or made now under --budget-mb), and draw resident activation memory over "
-        "time, the budget, one lane of bars per copy direction, and a compute lane with the "
-        "ops and the recomputes. Needs matplotlib (pip install 'swapopt[plot]')."
+    _PLOT.declare(parser)
+    parser.add_argument(
+        "--schedule", metavar="P.json", help="a schedule written by `swapopt plan` for this trace"
     )
-    add = parser.add_argument
-    add("--trace", required=True, metavar="T.json", help="the activation trace")
-    add("--schedule", metavar="P.json", help="a schedule written by `swapopt plan` for this trace")
-    add(
-        "--budget-mb",
-        metavar="MB",
-        help="activation budget in MiB: without --schedule, plan the trace under it now; "
-        "with --schedule, only draw it (default: the trace's own budget)",
-    )
-    add("--out", required=True, metavar="timeline.png", help="the image to write")
-    add("--planner", default=AUTO, help=_PLANNER_HELP + "; with --budget-mb only")
 
     def run(args: argparse.Namespace) -> int:
         from swapopt_core._cli.plot import plot_timeline
@@ -252,13 +277,9 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
                 cli.simulate_checked(trace, schedule, args.schedule)
             else:
                 trace, schedule, _ = cli.plan_file(args.trace, args.budget_mb, args.planner)
-            result = None
-
-            def draw(temporary: str) -> None:
-                nonlocal result
-                result = plot_timeline(trace, schedule, temporary)
-
-            cli.atomic_write(args.out, draw)
+            result = cli.atomic_write(
+                args.out, lambda temporary: plot_timeline(trace, schedule, temporary)
+            )
         except (cli.CommandError, ModuleNotFoundError) as error:  # matplotlib is optional
             return _user_error(parser, str(error))
         recomputed = result.recomputes + result.demand_recomputes
@@ -380,7 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     logger.debug("running command %s", args.command)
+    handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        return args.handler(args)
+        return handler(args)
     except SystemExit as exc:  # parser.error() raised from inside a handler
         return _exit_code(exc)

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 from swapopt_core._planning.simulate import SimulationResult, simulate
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["plot_timeline"]
 
@@ -51,7 +54,17 @@ def _steps(timeline: Sequence[tuple[float, int]]) -> tuple[list[float], list[flo
     return times, mib
 
 
-def _compute_lane(lanes: Any, trace: ActivationTrace, planned: SimulationResult) -> str:
+def _memory_line(
+    memory: Axes, run: SimulationResult, name: str, color: str, width: float, alpha: float
+) -> None:
+    """Draw the resident bytes of ``run`` over time as a filled step line."""
+    times, mib = _steps(run.timeline)
+    label = f"{name} (peak {run.peak_bytes / MIB:,.1f} MiB)"
+    memory.step(times, mib, where="post", color=color, linewidth=width, label=label)
+    memory.fill_between(times, mib, step="post", color=color, alpha=alpha)
+
+
+def _compute_lane(lanes: Axes, trace: ActivationTrace, planned: SimulationResult) -> str:
     """Draw the ops and the recomputes on lane 0 (the bottom one); return its label."""
     ops = [
         (start, op.duration_ms)
@@ -98,27 +111,9 @@ def plot_timeline(
     figure = Figure(figsize=(10, 6), layout="constrained")
     memory, lanes = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1.4))
 
-    times, mib = _steps(natural.timeline)
-    memory.step(
-        times,
-        mib,
-        where="post",
-        color=_NATURAL,
-        linewidth=1.2,
-        label=f"no plan, natural (peak {natural.peak_bytes / MIB:,.1f} MiB)",
-    )
-    memory.fill_between(times, mib, step="post", color=_NATURAL, alpha=0.15)
+    _memory_line(memory, natural, "no plan, natural", _NATURAL, 1.2, 0.15)
     if schedule is not None:
-        times, mib = _steps(planned.timeline)
-        memory.step(
-            times,
-            mib,
-            where="post",
-            color=_PLANNED,
-            linewidth=1.6,
-            label=f"with plan (peak {planned.peak_bytes / MIB:,.1f} MiB)",
-        )
-        memory.fill_between(times, mib, step="post", color=_PLANNED, alpha=0.2)
+        _memory_line(memory, planned, "with plan", _PLANNED, 1.6, 0.2)
     budget = trace.memory_limit_bytes
     if budget is not None:
         memory.axhline(

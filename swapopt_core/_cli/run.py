@@ -21,7 +21,7 @@ import runpy
 import sys
 import traceback
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.machinery import SourceFileLoader, SourcelessFileLoader
 from types import TracebackType
@@ -41,6 +41,8 @@ __all__ = ["RunTarget", "UsageError", "install_integrations", "parse_target", "r
 
 USAGE = "swapopt run [-h] [--] SCRIPT [ARGS ...] | swapopt run -m MODULE [ARGS ...]"
 _BUDGET_ENV = "SWAPOPT_ACTIVATION_BUDGET_MB"
+#: What ``sys.excepthook`` holds.
+_ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 
 
 class UsageError(ValueError):
@@ -226,7 +228,7 @@ def _print_uncaught(exc: BaseException) -> None:
         traceback.print_exception(type(exc), exc, exc.__traceback__)
 
 
-def _printed_already(hook: object) -> None:
+def _printed_already(hook: _ExceptHook) -> None:
     """Make the next ``sys.excepthook`` call print nothing, then put ``hook`` back.
 
     A ``KeyboardInterrupt`` is printed here with the script's frames and then re-raised,

@@ -11,8 +11,9 @@ import math
 import os
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Generic, TypeVar
 
 import pluggy
 from rich.console import Group
@@ -42,6 +43,8 @@ __all__ = [
     "write_text",
 ]
 
+T = TypeVar("T")
+
 MIB = 1 << 20
 _MIB = parse_mib(allow_none=False)
 
@@ -64,36 +67,44 @@ def _read(flag: str, path: str, what: str) -> str:
         ) from None
 
 
-def _parse(path: str, flag: str, what: str, writer: str, parse: Any) -> Any:
-    try:
-        return parse(_read(flag, path, f"{what} written by {writer}"))
-    except ValueError as error:
-        raise CommandError(
-            f"{flag} {path}: not {what} ({error}). Pass a file written by {writer}; "
-            "docs/formats.md has the schema."
-        ) from None
+@dataclass(frozen=True)
+class _JsonFile(Generic[T]):
+    """A kind of JSON file a command reads: what it holds, what writes it, how it is parsed."""
+
+    what: str
+    writer: str
+    parse: Callable[[str], T]
+
+    def read(self, path: str, flag: str) -> T:
+        try:
+            return self.parse(_read(flag, path, f"{self.what} written by {self.writer}"))
+        except ValueError as error:
+            raise CommandError(
+                f"{flag} {path}: not {self.what} ({error}). Pass a file written by "
+                f"{self.writer}; docs/formats.md has the schema."
+            ) from None
+
+
+_TRACE_FILE = _JsonFile(
+    "an activation trace",
+    "ActivationTrace.to_json() (OffloadSession.trace)",
+    ActivationTrace.from_json,
+)
+_SCHEDULE_FILE = _JsonFile(
+    "a residency schedule",
+    "`swapopt plan` or ResidencySchedule.to_json()",
+    ResidencySchedule.from_json,
+)
 
 
 def read_trace(path: str, flag: str = "--trace") -> ActivationTrace:
     """The trace in ``path``, as written by ``ActivationTrace.to_json()``."""
-    return _parse(
-        path,
-        flag,
-        "an activation trace",
-        "ActivationTrace.to_json() (OffloadSession.trace)",
-        ActivationTrace.from_json,
-    )
+    return _TRACE_FILE.read(path, flag)
 
 
 def read_schedule(path: str, flag: str = "--schedule") -> ResidencySchedule:
     """The schedule in ``path``, as written by ``ResidencySchedule.to_json()``."""
-    return _parse(
-        path,
-        flag,
-        "a residency schedule",
-        "`swapopt plan` or ResidencySchedule.to_json()",
-        ResidencySchedule.from_json,
-    )
+    return _SCHEDULE_FILE.read(path, flag)
 
 
 def simulate_checked(
@@ -117,6 +128,8 @@ def budget_bytes(megabytes: str | float, flag: str = "--budget-mb") -> int:
     """
     try:
         value = _MIB(megabytes)
+        if value is None:  # a parser that refuses "none" never returns it; kept for the types
+            raise Invalid
     except Invalid:
         raise CommandError(
             f"{flag} {megabytes}: the activation budget must be a finite number of MiB >= 0 "
@@ -162,11 +175,14 @@ def plan_file(
     return (*plan_trace(trace, limit, planner), planner.name)
 
 
-def atomic_write(path: str, write: Callable[[str], None], flag: str = "--out") -> None:
+def atomic_write(path: str, write: Callable[[str], T], flag: str = "--out") -> T:
     """Have ``write`` fill a temporary file beside ``path``, then rename it onto ``path``.
 
     A write that fails (disk full, a size limit, an interrupt) leaves ``path`` as it was: the
     rename is atomic within one folder, and the temporary file is removed.
+
+    Returns:
+        What ``write`` returned.
     """
     target = Path(path)
     temporary = str(target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp{target.suffix}"))
@@ -176,13 +192,14 @@ def atomic_write(path: str, write: Callable[[str], None], flag: str = "--out") -
     except OSError as error:
         raise CommandError(f"{flag} {path}: cannot be written ({error}).") from None
     try:
-        write(temporary)
+        written = write(temporary)
         os.replace(temporary, target)
     except OSError as error:
         raise CommandError(f"{flag} {path}: cannot be written ({error}).") from None
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+    return written
 
 
 def write_text(path: str, text: str, flag: str = "--out") -> None:

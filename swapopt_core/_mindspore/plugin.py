@@ -1,4 +1,4 @@
-"""The MindSpore backend as a plugin: its runtimes and optimizer families.
+"""The MindSpore backend as a plugin: its engine, its runtimes and optimizer families.
 
 Registered by default like every built-in. It imports MindSpore only when an optimizer of
 one of its families is swapped, so it costs nothing where MindSpore is not installed.
@@ -6,8 +6,10 @@ one of its families is swapped, so it costs nothing where MindSpore is not insta
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
+from swapopt_core._engine_base import EngineBase
 from swapopt_core._mindspore.adapter import MindSporeAdapter
 from swapopt_core._mindspore.families import (
     MindFormersAdamWAdapter,
@@ -27,3 +29,14 @@ def swapopt_register_runtimes() -> Iterable[type[TransferRuntime]]:
 @hookimpl
 def swapopt_register_optimizer_adapters() -> Iterable[MindSporeAdapter]:
     return [NnAdamAdapter(), NnAdamWeightDecayAdapter(), MindFormersAdamWAdapter()]
+
+
+@hookimpl
+def swapopt_register_engines() -> Iterable[type[EngineBase]]:
+    # No MindSpore optimizer exists before MindSpore is imported; until then the engine
+    # (and all it imports) stays unloaded, so swapping a torch optimizer loads none of it.
+    if "mindspore" not in sys.modules:
+        return []
+    from swapopt_core._mindspore.engine import MindSporeSwapEngine
+
+    return [MindSporeSwapEngine]

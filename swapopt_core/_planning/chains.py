@@ -50,13 +50,18 @@ Placer = Callable[[TraceIndex, int], ResidencySchedule]
 
 
 class Recompute(Protocol):
-    """What a chosen recompute gap offers (``recompute.RecomputeGap``)."""
+    """What a chosen recompute gap offers (``recompute.RecomputeGap``, a frozen dataclass)."""
 
-    sid: int
-    a: int
-    b: int
-    producer: int
-    tail: bool
+    @property
+    def sid(self) -> int: ...
+    @property
+    def a(self) -> int: ...
+    @property
+    def b(self) -> int: ...
+    @property
+    def producer(self) -> int: ...
+    @property
+    def tail(self) -> bool: ...
 
 
 def recover_limits(ix: TraceIndex) -> dict[int, int]:

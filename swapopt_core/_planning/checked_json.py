@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from enum import Enum
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 # Byte counts and ids are int64 downstream (the session, the runtimes, numpy timelines).
 from swapopt_core._options import MAX_BYTES
@@ -24,6 +24,7 @@ __all__ = [
     "as_list",
     "as_number",
     "as_object",
+    "as_record",
     "as_text",
     "choice",
     "fail",
@@ -49,7 +50,7 @@ def fail(path: str, value: object, accepted: str) -> NoReturn:
     raise ValueError(f"{path}={_show(value)} is invalid; expected {accepted}.")
 
 
-def load_object(text: str, what: str) -> dict[str, Any]:
+def load_object(text: str, what: str) -> dict[str, object]:
     """``text`` parsed as a JSON object, or a ``ValueError`` that says why not."""
     try:
         data = json.loads(text)
@@ -65,13 +66,22 @@ def load_object(text: str, what: str) -> dict[str, Any]:
     return data
 
 
-def as_object(value: object, path: str) -> dict[str, Any]:
+def as_object(value: object, path: str) -> dict[str, object]:
     if not isinstance(value, dict):
         fail(path, value, "a JSON object")
     return value
 
 
-def as_list(value: object, path: str) -> list[Any]:
+def as_record(value: object, path: str, required: tuple[str, ...], what: str) -> dict[str, object]:
+    """A JSON object that has every key in ``required`` (``what`` names it: "an op")."""
+    record = as_object(value, path)
+    for key in required:
+        if key not in record:
+            fail(path, value, f"{what} with a {key!r}")
+    return record
+
+
+def as_list(value: object, path: str) -> list[object]:
     if not isinstance(value, list):
         fail(path, value, "a JSON array")
     return value

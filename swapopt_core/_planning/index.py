@@ -30,12 +30,13 @@ class TraceIndex:
         self.durations = [float(op.duration_ms) for op in trace.ops]
         self.accesses: list[list[tuple[int, bool]]] = []
         self.by_storage: dict[int, list[tuple[int, bool]]] = {}
-        starts, clock = [], 0.0
-        for i, op in enumerate(trace.ops):
+        starts: list[float] = []
+        clock = 0.0
+        for i, trace_op in enumerate(trace.ops):
             starts.append(clock)
             clock += self.durations[i]
             merged: dict[int, bool] = {}
-            for access in op.accesses:
+            for access in trace_op.accesses:
                 if access.storage_id in sizes:
                     wrote = access.kind.value == "WRITE"
                     merged[access.storage_id] = merged.get(access.storage_id, False) or wrote
@@ -67,7 +68,8 @@ class TraceIndex:
         for sid, op in self.end.items():
             if sid not in self.retained:
                 self.freed_at[min(op, self.n - 1)].append(sid)
-        natural, resident = [], 0
+        natural: list[int] = []
+        resident = 0
         for i in range(self.n):
             resident += sum(sizes[s] for s in self.created_at[i])
             natural.append(resident)
@@ -76,8 +78,9 @@ class TraceIndex:
         self.natural_peak = max(natural, default=0)
         self.working = [sum(sizes[s] for s, _ in acc) for acc in self.accesses]
         # Retained storages past their last access stay on the device (nobody releases them).
-        idle_retained, kept = [], 0
-        ends = {}
+        idle_retained: list[int] = []
+        kept = 0
+        ends: dict[int, list[int]] = {}
         for sid in self.retained:
             if sid in self.last:
                 ends.setdefault(self.last[sid], []).append(sid)

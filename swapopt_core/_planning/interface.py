@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import ClassVar
 
 from swapopt_core._planning.ir import DEFAULT_MIN_OFFLOAD_BYTES, ActivationTrace, ResidencySchedule
 
@@ -37,8 +36,9 @@ class ResidencyPlanner(ABC):
     must not keep state between calls.
     """
 
-    #: Name selected by ``OffloadConfig.planner`` and ``swapopt plan --planner``.
-    name: ClassVar[str]
+    #: Name selected by ``OffloadConfig.planner`` and ``swapopt plan --planner`` (a class
+    #: attribute, or set per instance where one class registers under several names).
+    name: str
 
     @abstractmethod
     def plan(self, trace: ActivationTrace) -> ResidencySchedule:

@@ -19,7 +19,6 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 from swapopt_core._planning import checked_json as cj
 
@@ -223,7 +222,7 @@ def _known_sid(value: object, path: str, sizes: Mapping[int, int]) -> int:
     return sid
 
 
-def _freed_after(data: Mapping[str, Any], sizes: Mapping[int, int]) -> dict[int, int]:
+def _freed_after(data: Mapping[str, object], sizes: Mapping[int, int]) -> dict[int, int]:
     found = {}
     for key, op in cj.as_object(data.get("freed_after", {}), "freed_after").items():
         path = f"freed_after[{key!r}]"
@@ -232,7 +231,7 @@ def _freed_after(data: Mapping[str, Any], sizes: Mapping[int, int]) -> dict[int,
     return found
 
 
-def _bandwidth(data: Mapping[str, Any], key: str) -> float:
+def _bandwidth(data: Mapping[str, object], key: str) -> float:
     return cj.as_number(data.get(key, 16.0), key, positive=True, unit="GB/s")
 
 
@@ -248,10 +247,7 @@ def _op_json(op: TraceOp) -> dict[str, object]:
 
 
 def _op_from(value: object, path: str) -> TraceOp:
-    op = cj.as_object(value, path)
-    for key in ("name", "duration_ms"):
-        if key not in op:
-            cj.fail(path, value, f"an op with a {key!r}")
+    op = cj.as_record(value, path, ("name", "duration_ms"), "an op")
     accesses = cj.as_list(op.get("accesses", []), f"{path}.accesses")
     return TraceOp(
         cj.as_text(op["name"], f"{path}.name"),
@@ -319,7 +315,7 @@ class ResidencySchedule:
         return cls(_side_from(data, "pre"), _side_from(data, "post"))
 
 
-def _side_from(data: Mapping[str, Any], side: str) -> dict[int, list[Action]]:
+def _side_from(data: Mapping[str, object], side: str) -> dict[int, list[Action]]:
     result: dict[int, list[Action]] = {}
     for op, items in cj.as_object(data.get(side, {}), side).items():
         path = f"{side}[{op!r}]"
@@ -330,10 +326,7 @@ def _side_from(data: Mapping[str, Any], side: str) -> dict[int, list[Action]]:
 
 
 def _action_from(value: object, path: str) -> Action:
-    action = cj.as_object(value, path)
-    for key in ("storage_id", "kind"):
-        if key not in action:
-            cj.fail(path, value, f"an action with a {key!r}")
+    action = cj.as_record(value, path, ("storage_id", "kind"), "an action")
     return Action(
         cj.as_int(action["storage_id"], f"{path}.storage_id", minimum=None, what="a storage id"),
         cj.choice(action["kind"], f"{path}.kind", ActionKind),
@@ -348,10 +341,7 @@ def _access_json(access: Access) -> dict[str, object]:
 
 
 def _access_from(value: object, path: str) -> Access:
-    access = cj.as_object(value, path)
-    for key in ("storage_id", "kind"):
-        if key not in access:
-            cj.fail(path, value, f"an access with a {key!r}")
+    access = cj.as_record(value, path, ("storage_id", "kind"), "an access")
     output = access.get("output")
     return Access(
         cj.as_int(access["storage_id"], f"{path}.storage_id", minimum=None, what="a storage id"),

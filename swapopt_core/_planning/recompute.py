@@ -36,6 +36,7 @@ import logging
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from swapopt_core._planning.chains import (
@@ -152,6 +153,11 @@ class _Trial:
         return self.total_ms < other.total_ms - 1e-9
 
 
+#: The trials run so far, by the gaps they recompute.
+_Seen = dict[frozenset[RecomputeGap], _Trial]
+#: Runs (or looks up) the trial of recomputing a set of gaps.
+_TrialFn = Callable[[frozenset[RecomputeGap]], _Trial]
+
 #: Trials (each a full offload placement and replay) one plan may spend on the choice...
 MAX_TRIALS = 32
 #: ...and ops placed over all trials, so that long traces stay quick to plan (at least 4).
@@ -184,12 +190,13 @@ def plan_with_recompute(ix: TraceIndex, budget: int, place: Placer) -> Residency
         lowest peak when none does).
     """
     gaps = recompute_gaps(ix, budget)
-    seen: dict[frozenset[RecomputeGap], _Trial] = {}
+    seen: _Seen = {}
     trials = max(4, min(MAX_TRIALS, MAX_TRIAL_OPS // max(1, ix.n)))
 
     def trial(chosen: frozenset[RecomputeGap]) -> _Trial:
         if chosen not in seen:
-            schedule = virtual_plan(ix, sorted(chosen, key=_order), budget, place)
+            ordered: list[RecomputeGap] = sorted(chosen, key=_order)
+            schedule = virtual_plan(ix, ordered, budget, place)
             try:
                 result = simulate(ix.trace, schedule, record=False, index=ix)
             except ValueError as error:  # a mapping the replay refuses: never chosen
@@ -237,12 +244,12 @@ def _batches(gaps: list[RecomputeGap]) -> dict[str, list[RecomputeGap]]:
     return batches
 
 
-def _greedy(gaps: list[RecomputeGap], trial, seen: dict, trials: int) -> _Trial:
+def _greedy(gaps: list[RecomputeGap], trial: _TrialFn, seen: _Seen, trials: int) -> _Trial:
     """Batches added cheapest per byte first, then partly shed or added (module docstring)."""
     best = trial(frozenset())
     batches = _batches(gaps)
     order = sorted(batches, key=lambda k: _price(batches[k]))
-    kept = []
+    kept: list[str] = []
     for kind in order:  # whole batches, cheapest per byte first
         if _settled(best, seen, trials):
             break
@@ -267,7 +274,9 @@ def _greedy(gaps: list[RecomputeGap], trial, seen: dict, trials: int) -> _Trial:
     return best
 
 
-def _refine(best: _Trial, gaps: list[RecomputeGap], trial, seen: dict, trials: int) -> _Trial:
+def _refine(
+    best: _Trial, gaps: list[RecomputeGap], trial: _TrialFn, seen: _Seen, trials: int
+) -> _Trial:
     """Improve ``best`` batch by batch of ``gaps``: stop recomputing a batch it recomputes
     (the costliest per byte first; all of it, else the half the link hides best), then start
     recomputing the rest of one (the cheapest first; all, else the half the link hides
@@ -292,7 +301,7 @@ def _refine(best: _Trial, gaps: list[RecomputeGap], trial, seen: dict, trials: i
     return best
 
 
-def _settled(best: _Trial, seen: dict, trials: int) -> bool:
+def _settled(best: _Trial, seen: _Seen, trials: float) -> bool:
     """No more trials: ``trials`` have run, or nothing is left to win."""
     return len(seen) >= trials or (not best.over_budget and best.overhead < NEGLIGIBLE)
 

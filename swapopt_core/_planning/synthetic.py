@@ -116,6 +116,35 @@ class _Builder:
         reads = (a, w, out) if accumulate else (a, w)
         self.op(name, reads, (out,), flops=2.0 * m * k * n)  # accumulating: not pure
 
+    def weight_grads(
+        self, prefix: str, normed: int, grads: tuple[tuple[str, int, float], ...]
+    ) -> None:
+        """The weight gradients of the projections reading ``normed``: ``(name, grad, flops)``
+        each, written to fresh parameter storages (not recomputable)."""
+        for name, grad, flops in grads:
+            self.op(
+                f"{prefix}{name}_bwd_weight",
+                (grad, normed),
+                (self.param(),),
+                flops=flops,
+                recompute=False,
+            )
+
+    def norm_residual_bwd(
+        self, prefix: str, index: int, grad: int, x: int, rstd: int, skip: int, nbytes: int
+    ) -> int:
+        """Backward of RMSNorm ``index`` (input ``x``, statistics ``rstd``) from ``grad``,
+        then of its residual add (``skip`` the gradient that went around it).
+
+        Returns:
+            The gradient of the residual block's input.
+        """
+        dnorm = self.new(nbytes)
+        self.op(f"{prefix}rmsnorm{index}_bwd", (grad, x, rstd), (dnorm,))
+        dinput = self.new(nbytes)
+        self.op(f"{prefix}residual{index}_bwd", (skip, dnorm), (dinput,))
+        return dinput
+
 
 def llama_training_trace(
     shape: DecoderShape,
@@ -211,18 +240,8 @@ def llama_training_trace(
         dn2 = b.new(t * h * act)
         b.matmul(p + "gate_bwd_input", dg, w["g"], dn2, t, f, h)
         b.matmul(p + "up_bwd_input", du, w["u"], dn2, t, f, h, accumulate=True)
-        for name, grad in (("gate", dg), ("up", du)):
-            b.op(
-                p + f"{name}_bwd_weight",
-                (grad, n2),
-                (b.param(),),
-                flops=2.0 * t * h * f,
-                recompute=False,
-            )
-        dh1n = b.new(t * h * act)
-        b.op(p + "rmsnorm2_bwd", (dn2, h1, r2), (dh1n,))
-        dh1 = b.new(t * h * act)
-        b.op(p + "residual2_bwd", (dx, dh1n), (dh1,))
+        b.weight_grads(p, n2, (("gate", dg, 2.0 * t * h * f), ("up", du, 2.0 * t * h * f)))
+        dh1 = b.norm_residual_bwd(p, 2, dn2, h1, r2, dx, t * h * act)
         dout = b.new(t * h * act)
         b.matmul(p + "o_bwd_input", dh1, w["o"], dout, t, h, h)
         b.op(p + "o_bwd_weight", (dh1, out), (b.param(),), flops=2.0 * t * h * h, recompute=False)
@@ -240,20 +259,9 @@ def llama_training_trace(
         b.matmul(p + "q_bwd_input", dqr, w["q"], dn1, t, h, h)
         b.matmul(p + "k_bwd_input", dkr, w["k"], dn1, t, hkv, h, accumulate=True)
         b.matmul(p + "v_bwd_input", dv, w["v"], dn1, t, hkv, h, accumulate=True)
-        for name, grad in (("q", dqr), ("k", dkr), ("v", dv)):
-            cols = h if name == "q" else hkv
-            b.op(
-                p + f"{name}_bwd_weight",
-                (grad, n1),
-                (b.param(),),
-                flops=2.0 * t * h * cols,
-                recompute=False,
-            )
-        dxn = b.new(t * h * act)
-        b.op(p + "rmsnorm1_bwd", (dn1, x, r1), (dxn,))
-        dx_prev = b.new(t * h * act)
-        b.op(p + "residual1_bwd", (dh1, dxn), (dx_prev,))
-        dx = dx_prev
+        qkv = (("q", dqr, 2.0 * t * h * h), ("k", dkr, 2.0 * t * h * hkv))
+        b.weight_grads(p, n1, (*qkv, ("v", dv, 2.0 * t * h * hkv)))
+        dx = b.norm_residual_bwd(p, 1, dn1, x, r1, dh1, t * h * act)
     b.op("embed_bwd", (dx,), (b.param(),), recompute=False)
 
     return ActivationTrace(

@@ -1,4 +1,4 @@
-"""The torch backend as a plugin: its runtimes and its optimizer family.
+"""The torch backend as a plugin: its engine, its runtimes and its optimizer family.
 
 Registered by default like every built-in, through the same hooks a third-party plugin uses.
 """
@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from swapopt_core._engine_base import EngineBase
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core._torch.adam import TorchAdamAdapter
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.cuda import CudaRuntime
+from swapopt_core._torch.engine import SwapEngine
 from swapopt_core._torch.loopback import LoopbackRuntime
 from swapopt_core._torch.loopback_async import LoopbackAsyncRuntime
 from swapopt_core.hookspecs import hookimpl
@@ -24,3 +26,8 @@ def swapopt_register_runtimes() -> Iterable[type[TransferRuntime]]:
 @hookimpl
 def swapopt_register_optimizer_adapters() -> Iterable[OptimizerAdapter]:
     return [TorchAdamAdapter()]
+
+
+@hookimpl
+def swapopt_register_engines() -> Iterable[type[EngineBase]]:
+    return [SwapEngine]

@@ -408,8 +408,14 @@ def test_warns_at_exit_when_nothing_was_swapped(tmp_path: Path) -> None:
     assert done.returncode == 0 and "no optimizer was swapped" not in done.stderr, done.stderr
 
 
-def test_import_warning_without_swapopt_run(tmp_path: Path) -> None:
-    command = [sys.executable, "-c", "import swapopt_core, swapopt_plugins._options"]
+def test_first_use_warning_without_swapopt_run(tmp_path: Path) -> None:
+    # Importing reads no environment (tests/core/test_imports.py); the first plugin manager,
+    # which every swap and offload session builds, warns.
+    first_use = (
+        "import swapopt_core, swapopt_plugins._options; "
+        "swapopt_core.get_plugin_manager(); swapopt_core.new_plugin_manager()"
+    )
+    command = [sys.executable, "-c", first_use]
     done = _run(command, tmp_path, SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE="CPU")
     assert done.returncode == 0 and done.stderr.count(IMPORT_WARNING) == 1, done.stderr
     assert "swapopt run train.py" in done.stderr

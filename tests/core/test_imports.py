@@ -131,3 +131,67 @@ def test_swapping_a_torch_optimizer_imports_no_mindspore() -> None:
     assert "swapopt_core._mindspore.plugin" in loaded
     assert [m for m in loaded if not m.startswith("swapopt_core._mindspore")] == []
     assert "swapopt_core._mindspore.engine" not in loaded
+
+
+_IMPORT_WATCHED = """
+import json, os, sys, warnings
+
+read = []
+
+
+class Watched(type(os.environ)):
+    def __getitem__(self, key):
+        # Who asked: the first caller outside os and the mapping mixins (torch's imports walk
+        # the whole environment; only swapopt's own reads count).
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename.startswith("<frozen") or frame.f_globals.get(
+            "__name__"
+        ) == "os":
+            frame = frame.f_back
+        if frame.f_globals.get("__name__", "").startswith("swapopt"):
+            read.append(key)
+        return super().__getitem__(key)
+
+
+env = os.environ
+os.environ = Watched(env._data, env.encodekey, env.decodekey, env.encodevalue, env.decodevalue)
+with warnings.catch_warnings(record=True) as at_import:
+    warnings.simplefilter("always")
+    import swapopt_core
+read_at_import = sorted(set(read))
+with warnings.catch_warnings(record=True) as at_first_use:
+    warnings.simplefilter("always")
+    swapopt_core.get_plugin_manager()
+print(json.dumps({
+    "read_at_import": read_at_import,
+    "warned_at_import": [str(w.message) for w in at_import],
+    "warned_at_first_use": [str(w.message) for w in at_first_use],
+    "read_at_first_use": "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE" in read,
+}))
+"""
+
+
+def test_importing_reads_no_environment_and_warns_only_on_first_use() -> None:
+    env = {
+        **os.environ,
+        "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+        "SWAPOPT_ACTIVATION_BUDGET_MB": "64",
+        "SWAPOPT_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "SWAPOPT_LOOPBACK_GBPS": "1",
+    }
+    env.pop("SWAPOPT_RUN", None)
+    env.pop("LOCAL_RANK", None)
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_WATCHED],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["read_at_import"] == []
+    assert seen["warned_at_import"] == []
+    assert seen["read_at_first_use"]
+    assert [m for m in seen["warned_at_first_use"] if "swapopt run" in m] != []

@@ -2,23 +2,31 @@
 
 Switched on at launch: ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu accelerate launch --no_python
 swapopt run train.py`` makes every ``Accelerator`` swap (``install_globally``), with no change
-to ``train.py``; ``SwapAccelerator`` does it under plain ``accelerate launch``. All swapopt
-keeps for an accelerator is one ``_SwapState`` stored as ``accelerator._swapopt``: settings,
-swapped optimizers, activation session. ``SwapAccelerator``'s ``prepare``, ``load_state``,
-``offload_session`` and ``free_memory`` do Accelerate's part, then the swap's; for an
-``Accelerator`` created elsewhere, the module functions of the same names take it first and
-keep the same state. The swap is installed in place on each ``AcceleratedOptimizer``'s inner
-optimizer, so schedulers, the gradient scaler and accumulation keep working. ``release``
-takes back the swap a ``prepare`` made on one optimizer (the ``transformers.Trainer``
-callback calls it at the end of ``train()``). See ``docs/accelerate.md``.
+to ``train.py``; ``SwapAccelerator`` does it under plain ``accelerate launch``. The settings
+are ``SwapOptimizerPlugin``, whose ``None`` fields default from the ``SWAPOPT_*`` variables
+(``swapopt_core.options.SwapSettings``), the way Accelerate's plugins read ``ACCELERATE_*``.
+
+All swapopt keeps for an accelerator is one ``_SwapState`` stored as ``accelerator._swapopt``:
+settings, swapped optimizers, activation session. ``SwapAccelerator``'s ``prepare``,
+``load_state``, ``offload_session`` and ``free_memory`` do Accelerate's part, then the swap's;
+for an ``Accelerator`` created elsewhere, the module functions of the same names take it first
+and keep the same state, and ``install_globally`` replaces ``Accelerator.prepare`` and
+``Accelerator.free_memory`` on the class so every instance behaves like ``SwapAccelerator``
+(loading needs no patch: the optimizer's ``load_state_dict`` hooks put loaded state in host
+memory). The swap is installed in place on each ``AcceleratedOptimizer``'s inner optimizer, so
+schedulers, the gradient scaler and accumulation keep working. ``release`` takes back the swap
+a ``prepare`` made on one optimizer (the ``transformers.Trainer`` callback calls it at the end
+of ``train()``). See ``docs/accelerate.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
@@ -29,7 +37,7 @@ from swapopt_core import (
     swap_optimizer,
     unswap_optimizer,
 )
-from swapopt_plugins._accelerate_settings import SwapOptimizerPlugin
+from swapopt_core.options import SwapSettings
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +48,47 @@ __all__ = [
     "SwapOptimizerPlugin",
     "free_memory",
     "install_globally",
+    "installed_plugin",
     "load_state",
     "offload_session",
     "prepare",
     "release",
     "uninstall_globally",
 ]
+
+
+class SwapOptimizerPlugin(SwapSettings):
+    """Settings of the swap; each ``None`` field defaults from its ``SWAPOPT_*`` variable.
+
+    The fields, their variables and defaults are those of ``swapopt_core.options.
+    SwapSettings``: ``offload_optimizer_device`` (``"cpu"`` swaps prepared optimizers),
+    ``swap_times``, ``min_numel``, ``packed_swap``, ``runtime``, ``activation_budget_mb``
+    (when set, ``offload_session()`` offers an ``OffloadSession``) and ``activation_runtime``.
+
+    Raises:
+        ValueError: A field or environment variable has an invalid value; the message
+            names it, shows the value and lists the accepted ones.
+    """
+
+    def refusal(self, distributed_type: str, *, fsdp_offloads_params: bool) -> str | None:
+        """Why the swap cannot run under ``distributed_type`` (Accelerate's
+        ``DistributedType`` value), or ``None`` when it can (or is off)."""
+        if not self.enabled:
+            return None
+        if distributed_type in ("DEEPSPEED", "MEGATRON_LM"):
+            return (
+                f"swapopt cannot swap optimizer state under distributed type {distributed_type}: "
+                "that engine owns its optimizer. With DeepSpeed use its own offload "
+                "(deepspeed_config: offload_optimizer_device: cpu) and leave "
+                "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=none; or train with DDP or FSDP2 "
+                "(fsdp_version: 2) to use swapopt."
+            )
+        if distributed_type == "FSDP" and fsdp_offloads_params:
+            return (
+                "swapopt cannot swap optimizer state with FSDP cpu_offload=True: parameters and "
+                "state already live on the CPU. Turn one of the two off."
+            )
+        return None
 
 
 def _check_supported(accelerator: Accelerator, plugin: SwapOptimizerPlugin) -> None:
@@ -79,10 +122,6 @@ class _SwapState:
                 _swapped_by[obj.optimizer] = weakref.ref(self)
             self.optimizers.append(obj)
 
-    def forget(self, optimizer: Any) -> None:
-        """Drop the entries wrapping ``optimizer``: a later ``prepare`` swaps it anew."""
-        self.optimizers = [opt for opt in self.optimizers if opt.optimizer is not optimizer]
-
     def reoffload(self) -> None:
         moved = sum(offload_optimizer_state(opt.optimizer) for opt in self.optimizers)
         logger.debug("swapopt: %d optimizer state tensors offloaded after load_state", moved)
@@ -114,7 +153,7 @@ def release(optimizer: Any) -> bool:
     state = None if owner is None else owner()
     if state is None or not is_swap_optimizer(optimizer):
         return False
-    state.forget(optimizer)
+    state.optimizers = [opt for opt in state.optimizers if opt.optimizer is not optimizer]
     unswap_optimizer(optimizer)
     return True
 
@@ -129,6 +168,16 @@ def _state(accelerator: Accelerator, plugin: SwapOptimizerPlugin | None = None) 
     elif plugin is not None and plugin != state.plugin:
         logger.warning("swapopt: the accelerator keeps its first settings %s", state.plugin)
     return state
+
+
+def _prepare_and_swap(
+    state: _SwapState, accelerator: Accelerator, prepare: Any, *args: Any, **kw: Any
+) -> Any:
+    """``prepare(*args, **kw)`` after the refusal check, then swap what it prepared."""
+    _check_supported(accelerator, state.plugin)
+    prepared = prepare(*args, **kw)
+    state.install(prepared)
+    return prepared
 
 
 def prepare(
@@ -147,10 +196,7 @@ def prepare(
             (DeepSpeed, Megatron-LM, FSDP with CPU offload).
     """
     state = _state(accelerator, plugin)
-    _check_supported(accelerator, state.plugin)
-    prepared = accelerator.prepare(*objects, **kwargs)
-    state.install(prepared)
-    return prepared
+    return _prepare_and_swap(state, accelerator, accelerator.prepare, *objects, **kwargs)
 
 
 def load_state(accelerator: Accelerator, input_dir: str | None = None, **kwargs: Any) -> None:
@@ -217,10 +263,9 @@ class SwapAccelerator(Accelerator):
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """``Accelerator.prepare``, then swap each prepared optimizer (once)."""
-        _check_supported(self, self.swap_plugin)
-        prepared = super().prepare(*args, device_placement=device_placement)
-        _state(self).install(prepared)
-        return prepared
+        return _prepare_and_swap(
+            _state(self), self, super().prepare, *args, device_placement=device_placement
+        )
 
     def load_state(
         self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
@@ -239,17 +284,72 @@ class SwapAccelerator(Accelerator):
         return super().free_memory(*objects)
 
 
-def install_globally() -> bool:
-    """Make every ``Accelerator`` swap like ``SwapAccelerator`` when the ``SWAPOPT_*``
-    variables ask (``swapopt run`` calls it); returns whether the patch is in place.
-    Idempotent; raises ``ValueError`` for a bad variable. See ``_accelerate_global``."""
-    from swapopt_plugins import _accelerate_global
+_originals: dict[str, Any] = {}  # Accelerator method name -> the method install_globally replaced
+_installed: SwapOptimizerPlugin | None = None  # the settings read by install_globally
 
-    return _accelerate_global.install_globally()
+
+def _patched_prepare(
+    self: Accelerator, *args: Any, device_placement: list[bool] | None = None
+) -> Any:
+    original = _originals["prepare"]
+    if isinstance(self, SwapAccelerator) or _installed is None:
+        return original(self, *args, device_placement=device_placement)
+    state = self.__dict__.get(_ATTR) or _state(self, dataclasses.replace(_installed))
+    if any(isinstance(obj, torch.optim.Optimizer) for obj in args):
+        _check_supported(self, state.plugin)
+    prepared = original(self, *args, device_placement=device_placement)
+    state.install(prepared)
+    return prepared
+
+
+def _patched_free_memory(self: Accelerator, *objects: Any) -> Any:
+    if not isinstance(self, SwapAccelerator) and _ATTR in self.__dict__:
+        self.__dict__[_ATTR].unswap()
+    return _originals["free_memory"](self, *objects)
+
+
+def install_globally() -> bool:
+    """Make every ``Accelerator`` swap the optimizers it prepares, when the environment asks.
+
+    Reads the ``SWAPOPT_*`` variables as ``SwapAccelerator()`` does. With
+    ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` it replaces ``Accelerator.prepare`` (Accelerate's,
+    then each prepared optimizer is swapped) and ``Accelerator.free_memory`` (unswap first), so
+    existing and future instances behave like ``SwapAccelerator`` (``swapopt run`` calls it);
+    otherwise it changes nothing. Calling it again does nothing more.
+
+    Returns:
+        Whether the patch is in place (``False`` when the variables ask for no swap).
+
+    Raises:
+        ValueError: A ``SWAPOPT_*`` variable has an invalid value (the message names it).
+    """
+    global _installed
+    if _installed is not None:
+        return True
+    plugin = SwapOptimizerPlugin()
+    if not plugin.enabled:
+        logger.debug("swapopt: SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE is not cpu; Accelerator unchanged")
+        return False
+    for name, replacement in (("prepare", _patched_prepare), ("free_memory", _patched_free_memory)):
+        _originals[name] = Accelerator.__dict__[name]
+        setattr(Accelerator, name, replacement)
+    _installed = plugin
+    logger.info("swapopt: every Accelerator swaps the optimizers it prepares (%s)", plugin)
+    return True
 
 
 def uninstall_globally() -> bool:
-    """Undo ``install_globally``; returns whether a patch was removed."""
-    from swapopt_plugins import _accelerate_global
+    """Put ``Accelerator``'s own methods back; returns whether a patch was removed.
+    Optimizers swapped meanwhile stay swapped (``free_memory(accelerator)`` unswaps them)."""
+    global _installed
+    if _installed is None:
+        return False
+    for name in ("prepare", "free_memory"):
+        setattr(Accelerator, name, _originals.pop(name))
+    _installed = None
+    return True
 
-    return _accelerate_global.uninstall_globally()
+
+def installed_plugin() -> SwapOptimizerPlugin | None:
+    """The settings ``install_globally`` put in place, or ``None`` when it is not installed."""
+    return _installed

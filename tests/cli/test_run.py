@@ -409,7 +409,7 @@ def test_warns_at_exit_when_nothing_was_swapped(tmp_path: Path) -> None:
 
 
 def test_import_warning_without_swapopt_run(tmp_path: Path) -> None:
-    command = [sys.executable, "-c", "import swapopt_core, swapopt_plugins._options"]
+    command = [sys.executable, "-c", "import swapopt_core, swapopt_core.options"]
     done = _run(command, tmp_path, SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE="CPU")
     assert done.returncode == 0 and done.stderr.count(IMPORT_WARNING) == 1, done.stderr
     assert "swapopt run train.py" in done.stderr

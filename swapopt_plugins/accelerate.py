@@ -1,22 +1,16 @@
 """HF Accelerate integration: swap prepared optimizers' state to host memory.
 
 Switched on at launch: ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu accelerate launch --no_python
-swapopt run train.py`` makes every ``Accelerator`` swap (``install_globally``), with no change
-to ``train.py``; ``SwapAccelerator`` does it under plain ``accelerate launch``. The settings
-are ``SwapOptimizerPlugin``, whose ``None`` fields default from the ``SWAPOPT_*`` variables
-(``swapopt_core.options.SwapSettings``), the way Accelerate's plugins read ``ACCELERATE_*``.
-
-All swapopt keeps for an accelerator is one ``_SwapState`` stored as ``accelerator._swapopt``:
-settings, swapped optimizers, activation session. ``SwapAccelerator``'s ``prepare``,
-``load_state``, ``offload_session`` and ``free_memory`` do Accelerate's part, then the swap's;
-for an ``Accelerator`` created elsewhere, the module functions of the same names take it first
-and keep the same state, and ``install_globally`` replaces ``Accelerator.prepare`` and
-``Accelerator.free_memory`` on the class so every instance behaves like ``SwapAccelerator``
-(loading needs no patch: the optimizer's ``load_state_dict`` hooks put loaded state in host
-memory). The swap is installed in place on each ``AcceleratedOptimizer``'s inner optimizer, so
-schedulers, the gradient scaler and accumulation keep working. ``release`` takes back the swap
-a ``prepare`` made on one optimizer (the ``transformers.Trainer`` callback calls it at the end
-of ``train()``). See ``docs/accelerate.md``.
+swapopt run train.py`` makes every ``Accelerator`` swap (``install_globally`` puts this
+module's ``prepare`` and ``free_memory`` on the class), with no change to ``train.py``;
+``SwapAccelerator`` has them as its own methods under plain ``accelerate launch``, and the
+module functions of the same names take an ``Accelerator`` created elsewhere. All three keep
+one ``_SwapState`` as ``accelerator._swapopt``: the settings (``SwapOptimizerPlugin``, whose
+``None`` fields default from ``SWAPOPT_*``), the swapped optimizers and the activation session.
+The swap is installed in place on each ``AcceleratedOptimizer``'s inner optimizer, so
+schedulers, the gradient scaler and accumulation keep working; loading needs no patch (the
+optimizer's ``load_state_dict`` hooks put loaded state in host memory). See
+``docs/accelerate.md``.
 """
 
 from __future__ import annotations
@@ -41,8 +35,6 @@ from swapopt_core.options import SwapSettings
 
 logger = logging.getLogger(__name__)
 
-_ATTR = "_swapopt"  # the one attribute swapopt sets on an accelerator: its _SwapState
-
 __all__ = [
     "SwapAccelerator",
     "SwapOptimizerPlugin",
@@ -56,47 +48,44 @@ __all__ = [
     "uninstall_globally",
 ]
 
+_ATTR = "_swapopt"  # the one attribute swapopt sets on an accelerator: its _SwapState
+#: Accelerate's own methods, which the swapping ones call (taken before any patch).
+_OWN = {name: Accelerator.__dict__[name] for name in ("prepare", "free_memory", "load_state")}
+_installed: SwapOptimizerPlugin | None = None  # the settings read by install_globally
+
 
 class SwapOptimizerPlugin(SwapSettings):
     """Settings of the swap; each ``None`` field defaults from its ``SWAPOPT_*`` variable.
 
-    The fields, their variables and defaults are those of ``swapopt_core.options.
-    SwapSettings``: ``offload_optimizer_device`` (``"cpu"`` swaps prepared optimizers),
-    ``swap_times``, ``min_numel``, ``packed_swap``, ``runtime``, ``activation_budget_mb``
-    (when set, ``offload_session()`` offers an ``OffloadSession``) and ``activation_runtime``.
+    The fields, variables and defaults are ``swapopt_core.options.SwapSettings``':
+    ``offload_optimizer_device`` (``"cpu"`` swaps prepared optimizers), ``swap_times``,
+    ``min_numel``, ``packed_swap``, ``runtime``, ``activation_budget_mb`` (when set,
+    ``offload_session()`` offers an ``OffloadSession``) and ``activation_runtime``.
 
     Raises:
         ValueError: A field or environment variable has an invalid value; the message
             names it, shows the value and lists the accepted ones.
     """
 
-    def refusal(self, distributed_type: str, *, fsdp_offloads_params: bool) -> str | None:
-        """Why the swap cannot run under ``distributed_type`` (Accelerate's
-        ``DistributedType`` value), or ``None`` when it can (or is off)."""
-        if not self.enabled:
-            return None
-        if distributed_type in ("DEEPSPEED", "MEGATRON_LM"):
-            return (
-                f"swapopt cannot swap optimizer state under distributed type {distributed_type}: "
-                "that engine owns its optimizer. With DeepSpeed use its own offload "
-                "(deepspeed_config: offload_optimizer_device: cpu) and leave "
-                "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=none; or train with DDP or FSDP2 "
-                "(fsdp_version: 2) to use swapopt."
-            )
-        if distributed_type == "FSDP" and fsdp_offloads_params:
-            return (
-                "swapopt cannot swap optimizer state with FSDP cpu_offload=True: parameters and "
-                "state already live on the CPU. Turn one of the two off."
-            )
-        return None
-
 
 def _check_supported(accelerator: Accelerator, plugin: SwapOptimizerPlugin) -> None:
+    """Refuse a distributed type that manages optimizer state itself (when the swap is on)."""
+    kind = accelerator.distributed_type.value
     fsdp = getattr(accelerator.state, "fsdp_plugin", None)
-    offloads = getattr(getattr(fsdp, "cpu_offload", None), "offload_params", False)
-    refusal = plugin.refusal(accelerator.distributed_type.value, fsdp_offloads_params=offloads)
-    if refusal is not None:
-        raise ValueError(refusal)
+    if not plugin.enabled:
+        return
+    if kind in ("DEEPSPEED", "MEGATRON_LM"):
+        raise ValueError(
+            f"swapopt cannot swap optimizer state under distributed type {kind}: that engine "
+            "owns its optimizer. With DeepSpeed use its own offload (deepspeed_config: "
+            "offload_optimizer_device: cpu) and leave SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=none; "
+            "or train with DDP or FSDP2 (fsdp_version: 2) to use swapopt."
+        )
+    if kind == "FSDP" and getattr(getattr(fsdp, "cpu_offload", None), "offload_params", False):
+        raise ValueError(
+            "swapopt cannot swap optimizer state with FSDP cpu_offload=True: parameters and "
+            "state already live on the CPU. Turn one of the two off."
+        )
 
 
 class _SwapState:
@@ -159,25 +148,40 @@ def release(optimizer: Any) -> bool:
 
 
 def _state(accelerator: Accelerator, plugin: SwapOptimizerPlugin | None = None) -> _SwapState:
-    """The accelerator's swap state, created on first use (settings: ``plugin``, else the
-    environment); an accelerator keeps the settings it was first given."""
+    """The accelerator's swap state, created on first use (settings: ``plugin``, else those
+    ``install_globally`` read, else the environment); the first settings stay."""
     state = accelerator.__dict__.get(_ATTR)
     if state is None:
-        state = _SwapState(SwapOptimizerPlugin() if plugin is None else plugin)
+        if plugin is None:
+            plugin = (
+                SwapOptimizerPlugin() if _installed is None else dataclasses.replace(_installed)
+            )
+        state = _SwapState(plugin)
         setattr(accelerator, _ATTR, state)
     elif plugin is not None and plugin != state.plugin:
         logger.warning("swapopt: the accelerator keeps its first settings %s", state.plugin)
     return state
 
 
-def _prepare_and_swap(
-    state: _SwapState, accelerator: Accelerator, prepare: Any, *args: Any, **kw: Any
+def _swapping_prepare(
+    self: Accelerator, *args: Any, device_placement: list[bool] | None = None
 ) -> Any:
-    """``prepare(*args, **kw)`` after the refusal check, then swap what it prepared."""
-    _check_supported(accelerator, state.plugin)
-    prepared = prepare(*args, **kw)
+    """``Accelerator.prepare``, then swap each prepared optimizer (once)."""
+    if not isinstance(self, SwapAccelerator) and _installed is None:  # a patch since removed
+        return _OWN["prepare"](self, *args, device_placement=device_placement)
+    state = _state(self)
+    if isinstance(self, SwapAccelerator) or any(isinstance(a, torch.optim.Optimizer) for a in args):
+        _check_supported(self, state.plugin)
+    prepared = _OWN["prepare"](self, *args, device_placement=device_placement)
     state.install(prepared)
     return prepared
+
+
+def _swapping_free_memory(self: Accelerator, *objects: Any) -> Any:
+    """Unswap the optimizers swapped through this accelerator, then ``Accelerator.free_memory``."""
+    if _ATTR in self.__dict__:
+        _state(self).unswap()
+    return _OWN["free_memory"](self, *objects)
 
 
 def prepare(
@@ -196,7 +200,10 @@ def prepare(
             (DeepSpeed, Megatron-LM, FSDP with CPU offload).
     """
     state = _state(accelerator, plugin)
-    return _prepare_and_swap(state, accelerator, accelerator.prepare, *objects, **kwargs)
+    _check_supported(accelerator, state.plugin)
+    prepared = accelerator.prepare(*objects, **kwargs)
+    state.install(prepared)
+    return prepared
 
 
 def load_state(accelerator: Accelerator, input_dir: str | None = None, **kwargs: Any) -> None:
@@ -236,6 +243,9 @@ def free_memory(accelerator: Accelerator, *objects: Any) -> Any:
 class SwapAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` swaps the optimizers' state to host memory.
 
+    ``free_memory`` unswaps first, ``load_state`` takes the loaded state back to host memory
+    and ``offload_session()`` gives the session for the activation budget.
+
     Args:
         *args: As for ``Accelerator``.
         swap_plugin: The settings. Default: ``SwapOptimizerPlugin()``, read from the
@@ -261,11 +271,8 @@ class SwapAccelerator(Accelerator):
         """The swap settings of this accelerator."""
         return _state(self).plugin
 
-    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """``Accelerator.prepare``, then swap each prepared optimizer (once)."""
-        return _prepare_and_swap(
-            _state(self), self, super().prepare, *args, device_placement=device_placement
-        )
+    prepare = _swapping_prepare  # type: ignore[assignment]
+    free_memory = _swapping_free_memory
 
     def load_state(
         self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
@@ -274,48 +281,16 @@ class SwapAccelerator(Accelerator):
         super().load_state(input_dir, load_kwargs, **kwargs)
         _state(self).reoffload()
 
-    def offload_session(self) -> OffloadSession:
-        """The ``OffloadSession`` for the activation budget; see :func:`offload_session`."""
-        return offload_session(self)
-
-    def free_memory(self, *objects: Any) -> Any:
-        """Unswap the optimizers swapped by this accelerator, then ``Accelerator.free_memory``."""
-        _state(self).unswap()
-        return super().free_memory(*objects)
-
-
-_originals: dict[str, Any] = {}  # Accelerator method name -> the method install_globally replaced
-_installed: SwapOptimizerPlugin | None = None  # the settings read by install_globally
-
-
-def _patched_prepare(
-    self: Accelerator, *args: Any, device_placement: list[bool] | None = None
-) -> Any:
-    original = _originals["prepare"]
-    if isinstance(self, SwapAccelerator) or _installed is None:
-        return original(self, *args, device_placement=device_placement)
-    state = self.__dict__.get(_ATTR) or _state(self, dataclasses.replace(_installed))
-    if any(isinstance(obj, torch.optim.Optimizer) for obj in args):
-        _check_supported(self, state.plugin)
-    prepared = original(self, *args, device_placement=device_placement)
-    state.install(prepared)
-    return prepared
-
-
-def _patched_free_memory(self: Accelerator, *objects: Any) -> Any:
-    if not isinstance(self, SwapAccelerator) and _ATTR in self.__dict__:
-        self.__dict__[_ATTR].unswap()
-    return _originals["free_memory"](self, *objects)
+    offload_session = offload_session
 
 
 def install_globally() -> bool:
     """Make every ``Accelerator`` swap the optimizers it prepares, when the environment asks.
 
     Reads the ``SWAPOPT_*`` variables as ``SwapAccelerator()`` does. With
-    ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` it replaces ``Accelerator.prepare`` (Accelerate's,
-    then each prepared optimizer is swapped) and ``Accelerator.free_memory`` (unswap first), so
-    existing and future instances behave like ``SwapAccelerator`` (``swapopt run`` calls it);
-    otherwise it changes nothing. Calling it again does nothing more.
+    ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` it puts ``SwapAccelerator``'s ``prepare`` and
+    ``free_memory`` on ``Accelerator`` itself, so existing and future instances swap alike
+    (``swapopt run`` calls it); otherwise it changes nothing. Calling it again does nothing.
 
     Returns:
         Whether the patch is in place (``False`` when the variables ask for no swap).
@@ -330,9 +305,8 @@ def install_globally() -> bool:
     if not plugin.enabled:
         logger.debug("swapopt: SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE is not cpu; Accelerator unchanged")
         return False
-    for name, replacement in (("prepare", _patched_prepare), ("free_memory", _patched_free_memory)):
-        _originals[name] = Accelerator.__dict__[name]
-        setattr(Accelerator, name, replacement)
+    Accelerator.prepare = _swapping_prepare  # type: ignore[method-assign]
+    Accelerator.free_memory = _swapping_free_memory  # type: ignore[method-assign]
     _installed = plugin
     logger.info("swapopt: every Accelerator swaps the optimizers it prepares (%s)", plugin)
     return True
@@ -344,8 +318,7 @@ def uninstall_globally() -> bool:
     global _installed
     if _installed is None:
         return False
-    for name in ("prepare", "free_memory"):
-        setattr(Accelerator, name, _originals.pop(name))
+    Accelerator.prepare, Accelerator.free_memory = _OWN["prepare"], _OWN["free_memory"]
     _installed = None
     return True
 

@@ -20,7 +20,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from swapopt_core.callbacks import SwapCallbackCore
 from swapopt_core.options import auto_enabled
-from swapopt_plugins._integrations import enable_lightning_auto
+
+# ``install_globally()`` adds the callback to every Trainer (what ``swapopt run`` calls): it
+# sets ``SWAPOPT_LIGHTNING_AUTO=1`` when the ``SWAPOPT_*`` variables ask for a swap.
+from swapopt_plugins._integrations import enable_lightning_auto as install_globally
 
 try:
     import pytorch_lightning as _pl
@@ -228,19 +231,3 @@ def callbacks_factory() -> list[Any]:
 def lightning_callbacks_factory() -> list[Any]:
     """Entry point of ``lightning.pytorch.callbacks_factory`` (see ``callbacks_factory``)."""
     return _auto_callbacks(LightningSwapOptimizerCallback)
-
-
-def install_globally() -> bool:
-    """Add the callback to every ``Trainer`` from now on (what ``swapopt run`` calls).
-
-    Sets ``SWAPOPT_LIGHTNING_AUTO=1`` when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` or an
-    activation budget is set (a ``SWAPOPT_LIGHTNING_AUTO`` set by the user decides instead);
-    the callback reads its configuration from the same variables. Idempotent.
-
-    Returns:
-        Whether every Trainer now gets the callback.
-
-    Raises:
-        ValueError: A ``SWAPOPT_*`` variable is invalid; the message names it.
-    """
-    return enable_lightning_auto()

@@ -284,8 +284,8 @@ class SwapCallbackCore:
             self._reset_run()
             if errors and exc is None:
                 raise errors[0]
-            for error in errors:
-                logger.warning("swapopt: unswap failed while handling an error: %r", error)
+            for failed in errors:
+                logger.warning("swapopt: unswap failed while handling an error: %r", failed)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data only (checkpoints load with ``weights_only=True``)."""

@@ -111,7 +111,7 @@ class Settings:
     @property
     def enabled(self) -> bool:
         """Whether optimizer state goes to host memory (``offload_optimizer_device=cpu``)."""
-        return self.values["offload_optimizer_device"] == "cpu"
+        return bool(self.values["offload_optimizer_device"] == "cpu")
 
 
 def read_settings(

@@ -24,8 +24,8 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DistributedType, patch_environment  # noqa: E402
 
 from swapopt_core import OffloadConfig, is_swap_optimizer, swap_stats  # noqa: E402
+from swapopt_core.options import ENV_VARS  # noqa: E402
 from swapopt_plugins import accelerate as swap_accelerate  # noqa: E402
-from swapopt_plugins._options import ENV_VARS  # noqa: E402
 from swapopt_plugins.accelerate import SwapAccelerator, SwapOptimizerPlugin  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,11 +26,11 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
 from swapopt_core import is_swap_optimizer  # noqa: E402
-from swapopt_plugins import _accelerate_global  # noqa: E402
-from swapopt_plugins._options import ENV_VARS  # noqa: E402
+from swapopt_core.options import ENV_VARS  # noqa: E402
 from swapopt_plugins.accelerate import (  # noqa: E402
     SwapAccelerator,
     install_globally,
+    installed_plugin,
     uninstall_globally,
 )
 
@@ -90,7 +90,7 @@ def test_install_is_idempotent_and_undoable(monkeypatch: pytest.MonkeyPatch) -> 
     _flag_on(monkeypatch)
     assert install_globally() is True and install_globally() is True
     assert Accelerator.__dict__["prepare"] is not prepare
-    assert _accelerate_global.installed_plugin().swap_times == 2
+    assert installed_plugin().swap_times == 2
     accelerator = Accelerator(cpu=True)
     _, optimizer = accelerator.prepare(*_objects())
     assert is_swap_optimizer(optimizer.optimizer)

@@ -261,7 +261,7 @@ def test_resume_equals_plain_resume(tmp_path, monkeypatch, package) -> None:
     monkeypatch.setattr(strategy_module, "_optimizer_to_device", move)
     cb, probe = package.callback(M.LOOPBACK), Probe()
     resumed = M.fit(tmp_path / "swap", [cb, probe], ckpt_path=last, max_steps=8, package=package)
-    assert cb._core.reoffloaded_tensors > 0
+    assert cb.reoffloaded_tensors > 0
     assert probe.resident_at_start == [0]
     assert_same(plain, resumed)
 
@@ -350,13 +350,13 @@ def test_auto_registration(tmp_path, monkeypatch, package) -> None:
     trainer = M.trainer(tmp_path, [explicit], package=package)
     package.module.seed_everything(0, verbose=False)
     trainer.fit(make(), M.loader())
-    assert [c._core.active for c in _auto(trainer, package)] == [True, False]
+    assert [c.active for c in _auto(trainer, package)] == [True, False]
     # Also when the explicit one is the other package's class.
     explicit = _other(package).callback(M.LOOPBACK)
     trainer = M.trainer(tmp_path, [explicit], package=package)
     trainer.fit(make(), M.loader())
     (auto,) = _auto(trainer, package)
-    assert explicit._core.active and not auto._core.active
+    assert explicit.active and not auto.active
 
 
 @pytest.mark.parametrize(

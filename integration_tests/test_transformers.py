@@ -31,7 +31,7 @@ from swapopt_core import (  # noqa: E402
     is_swap_optimizer,
     swap_stats,
 )
-from swapopt_plugins._options import ENV_VARS  # noqa: E402
+from swapopt_core.options import ENV_VARS  # noqa: E402
 from swapopt_plugins.transformers import SwapOptimizerCallback  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

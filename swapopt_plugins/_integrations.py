@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from swapopt_core import hookimpl
-from swapopt_plugins._options import AUTO_ENV, ENV_VARS, auto_enabled, read_settings
+from swapopt_core.options import AUTO_ENV, ENV_VARS, auto_enabled, read_settings
 
 logger = logging.getLogger(__name__)
 

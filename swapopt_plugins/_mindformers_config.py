@@ -1,23 +1,31 @@
-"""The ``swap_optimizer:`` section of a MindFormers training YAML, read without MindFormers.
+"""Where the MindFormers integration's config comes from, read without MindFormers.
 
-The section is ``enable`` plus the fields of ``SwapOptimizerConfig``. Those fields are read by
-the core's one parser (``SwapOptimizerConfig.from_options`` with ``framework="mindspore"``,
-which checks ``runtime`` and ``state_keys`` against the registered MindSpore runtimes and
-optimizer families), so the section and the callback's keyword arguments reject the same
-values with the same kind of message. ``swapopt_plugins.mindformers`` re-exports what users
-need.
+The ``swap_optimizer:`` section of a training YAML is ``enable`` plus the fields of
+``SwapOptimizerConfig``. Those fields are read by the core's one parser
+(``SwapOptimizerConfig.from_options`` with ``framework="mindspore"``, which checks ``runtime``
+and ``state_keys`` against the registered MindSpore runtimes and optimizer families), so the
+section and the callback's keyword arguments reject the same values with the same kind of
+message. ``read_command_line`` is the framework-free half of the launcher
+``python -m swapopt_plugins.mindformers``: its options, the YAML file, the section turned
+into a callback entry. ``swapopt_plugins.mindformers`` re-exports what users need.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
-from collections.abc import Mapping
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from swapopt_core import SwapOptimizerConfig
-from swapopt_core._options import NO, YES, Option, parse_bool, read_options
+from swapopt_core.options import NO, YES, Option, parse_bool, read_options
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CALLBACK_NAME",
@@ -25,6 +33,7 @@ __all__ = [
     "SECTION",
     "SwapOptimizerSection",
     "build_trainer_config",
+    "read_command_line",
     "read_context",
 ]
 
@@ -238,3 +247,75 @@ def build_trainer_config(config: Mapping[str, Any]) -> dict[str, Any]:
         )
     result["callbacks"] = [*callbacks, section.callback_entry()]
     return result
+
+
+def _log_to_stderr() -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s - %(name)s - %(levelname)s - %(message)s"))
+    for name in ("swapopt_core", "swapopt_plugins"):
+        named = logging.getLogger(name)
+        if not named.handlers:
+            named.addHandler(handler)
+            named.setLevel(logging.INFO)
+
+
+def read_command_line(
+    argv: Sequence[str] | None, apply_context: Callable[[Mapping[str, Any]], None]
+) -> tuple[argparse.Namespace, dict[str, Any]] | int:
+    """The launcher's options and the config for MindFormers' pynative ``Trainer``.
+
+    Imports the modules named by ``--register`` (first: they may register models, configs or
+    runtimes), reads the YAML, turns its ``swap_optimizer:`` section into a callback entry
+    (``build_trainer_config``) and hands the result to ``apply_context`` (mode and device).
+
+    Returns:
+        The parsed options and the config; or 2 when the YAML or an option is invalid (the
+        reason, one line, went to stderr).
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m swapopt_plugins.mindformers",
+        description="Train with MindFormers' pynative Trainer; a 'swap_optimizer:' section of "
+        "the YAML keeps the optimizer state in host memory.",
+    )
+    parser.add_argument("--config", required=True, help="training YAML")
+    parser.add_argument(
+        "--register",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first, so it registers models or configs (repeatable)",
+    )
+    parser.add_argument("--checkpoint", default=None, help="resume from this checkpoint folder")
+    parser.add_argument(
+        "--mode",
+        default="pretrain",
+        choices=["pretrain", "finetune"],
+        help="passed to Trainer.train(mode=...)",
+    )
+    args = parser.parse_args(argv)
+
+    import yaml
+
+    for module in args.register:
+        importlib.import_module(module)
+    try:
+        with open(args.config, encoding="utf-8") as file:
+            loaded = yaml.safe_load(file)
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{args.config} must hold a mapping of sections, got {loaded!r}.")
+        config = build_trainer_config(loaded)
+        apply_context(config)
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    except RecursionError:
+        print(
+            f"{parser.prog}: error: {args.config} nests lists or mappings too deeply to be a "
+            "training YAML.",
+            file=sys.stderr,
+        )
+        return 2
+    _log_to_stderr()
+    if SECTION in loaded:
+        logger.info("swapopt: %s section read; callbacks: %s", SECTION, config.get("callbacks"))
+    return args, config

@@ -1,24 +1,26 @@
 """HF Accelerate integration: swap prepared optimizers' state to host memory.
 
 Switched on at launch: ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu accelerate launch --no_python
-swapopt run train.py`` makes every ``Accelerator`` swap (``install_globally``), with no change
-to ``train.py``; ``SwapAccelerator`` does it under plain ``accelerate launch``. All swapopt
-keeps for an accelerator is one ``_SwapState`` stored as ``accelerator._swapopt``: settings,
-swapped optimizers, activation session. ``SwapAccelerator``'s ``prepare``, ``load_state``,
-``offload_session`` and ``free_memory`` do Accelerate's part, then the swap's; for an
-``Accelerator`` created elsewhere, the module functions of the same names take it first and
-keep the same state. The swap is installed in place on each ``AcceleratedOptimizer``'s inner
-optimizer, so schedulers, the gradient scaler and accumulation keep working. ``release``
-takes back the swap a ``prepare`` made on one optimizer (the ``transformers.Trainer``
-callback calls it at the end of ``train()``). See ``docs/accelerate.md``.
+swapopt run train.py`` makes every ``Accelerator`` swap (``install_globally`` puts this
+module's ``prepare`` and ``free_memory`` on the class), with no change to ``train.py``;
+``SwapAccelerator`` has them as its own methods under plain ``accelerate launch``, and the
+module functions of the same names take an ``Accelerator`` created elsewhere. All three keep
+one ``_SwapState`` as ``accelerator._swapopt``: the settings (``SwapOptimizerPlugin``, whose
+``None`` fields default from ``SWAPOPT_*``), the swapped optimizers and the activation session.
+The swap is installed in place on each ``AcceleratedOptimizer``'s inner optimizer, so
+schedulers, the gradient scaler and accumulation keep working; loading needs no patch (the
+optimizer's ``load_state_dict`` hooks put loaded state in host memory). See
+``docs/accelerate.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
@@ -29,17 +31,16 @@ from swapopt_core import (
     swap_optimizer,
     unswap_optimizer,
 )
-from swapopt_plugins._accelerate_settings import SwapOptimizerPlugin
+from swapopt_core.options import SwapSettings
 
 logger = logging.getLogger(__name__)
-
-_ATTR = "_swapopt"  # the one attribute swapopt sets on an accelerator: its _SwapState
 
 __all__ = [
     "SwapAccelerator",
     "SwapOptimizerPlugin",
     "free_memory",
     "install_globally",
+    "installed_plugin",
     "load_state",
     "offload_session",
     "prepare",
@@ -47,13 +48,44 @@ __all__ = [
     "uninstall_globally",
 ]
 
+_ATTR = "_swapopt"  # the one attribute swapopt sets on an accelerator: its _SwapState
+#: Accelerate's own methods, which the swapping ones call (taken before any patch).
+_OWN = {name: Accelerator.__dict__[name] for name in ("prepare", "free_memory", "load_state")}
+_installed: SwapOptimizerPlugin | None = None  # the settings read by install_globally
+
+
+class SwapOptimizerPlugin(SwapSettings):
+    """Settings of the swap; each ``None`` field defaults from its ``SWAPOPT_*`` variable.
+
+    The fields, variables and defaults are ``swapopt_core.options.SwapSettings``':
+    ``offload_optimizer_device`` (``"cpu"`` swaps prepared optimizers), ``swap_times``,
+    ``min_numel``, ``packed_swap``, ``runtime``, ``activation_budget_mb`` (when set,
+    ``offload_session()`` offers an ``OffloadSession``) and ``activation_runtime``.
+
+    Raises:
+        ValueError: A field or environment variable has an invalid value; the message
+            names it, shows the value and lists the accepted ones.
+    """
+
 
 def _check_supported(accelerator: Accelerator, plugin: SwapOptimizerPlugin) -> None:
+    """Refuse a distributed type that manages optimizer state itself (when the swap is on)."""
+    kind = accelerator.distributed_type.value
     fsdp = getattr(accelerator.state, "fsdp_plugin", None)
-    offloads = getattr(getattr(fsdp, "cpu_offload", None), "offload_params", False)
-    refusal = plugin.refusal(accelerator.distributed_type.value, fsdp_offloads_params=offloads)
-    if refusal is not None:
-        raise ValueError(refusal)
+    if not plugin.enabled:
+        return
+    if kind in ("DEEPSPEED", "MEGATRON_LM"):
+        raise ValueError(
+            f"swapopt cannot swap optimizer state under distributed type {kind}: that engine "
+            "owns its optimizer. With DeepSpeed use its own offload (deepspeed_config: "
+            "offload_optimizer_device: cpu) and leave SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=none; "
+            "or train with DDP or FSDP2 (fsdp_version: 2) to use swapopt."
+        )
+    if kind == "FSDP" and getattr(getattr(fsdp, "cpu_offload", None), "offload_params", False):
+        raise ValueError(
+            "swapopt cannot swap optimizer state with FSDP cpu_offload=True: parameters and "
+            "state already live on the CPU. Turn one of the two off."
+        )
 
 
 class _SwapState:
@@ -78,10 +110,6 @@ class _SwapState:
                 swap_optimizer(obj.optimizer, config)
                 _swapped_by[obj.optimizer] = weakref.ref(self)
             self.optimizers.append(obj)
-
-    def forget(self, optimizer: Any) -> None:
-        """Drop the entries wrapping ``optimizer``: a later ``prepare`` swaps it anew."""
-        self.optimizers = [opt for opt in self.optimizers if opt.optimizer is not optimizer]
 
     def reoffload(self) -> None:
         moved = sum(offload_optimizer_state(opt.optimizer) for opt in self.optimizers)
@@ -114,21 +142,46 @@ def release(optimizer: Any) -> bool:
     state = None if owner is None else owner()
     if state is None or not is_swap_optimizer(optimizer):
         return False
-    state.forget(optimizer)
+    state.optimizers = [opt for opt in state.optimizers if opt.optimizer is not optimizer]
     unswap_optimizer(optimizer)
     return True
 
 
 def _state(accelerator: Accelerator, plugin: SwapOptimizerPlugin | None = None) -> _SwapState:
-    """The accelerator's swap state, created on first use (settings: ``plugin``, else the
-    environment); an accelerator keeps the settings it was first given."""
+    """The accelerator's swap state, created on first use (settings: ``plugin``, else those
+    ``install_globally`` read, else the environment); the first settings stay."""
     state = accelerator.__dict__.get(_ATTR)
     if state is None:
-        state = _SwapState(SwapOptimizerPlugin() if plugin is None else plugin)
+        if plugin is None:
+            plugin = (
+                SwapOptimizerPlugin() if _installed is None else dataclasses.replace(_installed)
+            )
+        state = _SwapState(plugin)
         setattr(accelerator, _ATTR, state)
     elif plugin is not None and plugin != state.plugin:
         logger.warning("swapopt: the accelerator keeps its first settings %s", state.plugin)
     return state
+
+
+def _swapping_prepare(
+    self: Accelerator, *args: Any, device_placement: list[bool] | None = None
+) -> Any:
+    """``Accelerator.prepare``, then swap each prepared optimizer (once)."""
+    if not isinstance(self, SwapAccelerator) and _installed is None:  # a patch since removed
+        return _OWN["prepare"](self, *args, device_placement=device_placement)
+    state = _state(self)
+    if isinstance(self, SwapAccelerator) or any(isinstance(a, torch.optim.Optimizer) for a in args):
+        _check_supported(self, state.plugin)
+    prepared = _OWN["prepare"](self, *args, device_placement=device_placement)
+    state.install(prepared)
+    return prepared
+
+
+def _swapping_free_memory(self: Accelerator, *objects: Any) -> Any:
+    """Unswap the optimizers swapped through this accelerator, then ``Accelerator.free_memory``."""
+    if _ATTR in self.__dict__:
+        _state(self).unswap()
+    return _OWN["free_memory"](self, *objects)
 
 
 def prepare(
@@ -190,6 +243,9 @@ def free_memory(accelerator: Accelerator, *objects: Any) -> Any:
 class SwapAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` swaps the optimizers' state to host memory.
 
+    ``free_memory`` unswaps first, ``load_state`` takes the loaded state back to host memory
+    and ``offload_session()`` gives the session for the activation budget.
+
     Args:
         *args: As for ``Accelerator``.
         swap_plugin: The settings. Default: ``SwapOptimizerPlugin()``, read from the
@@ -215,12 +271,8 @@ class SwapAccelerator(Accelerator):
         """The swap settings of this accelerator."""
         return _state(self).plugin
 
-    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """``Accelerator.prepare``, then swap each prepared optimizer (once)."""
-        _check_supported(self, self.swap_plugin)
-        prepared = super().prepare(*args, device_placement=device_placement)
-        _state(self).install(prepared)
-        return prepared
+    prepare = _swapping_prepare  # type: ignore[assignment]
+    free_memory = _swapping_free_memory
 
     def load_state(
         self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
@@ -229,27 +281,48 @@ class SwapAccelerator(Accelerator):
         super().load_state(input_dir, load_kwargs, **kwargs)
         _state(self).reoffload()
 
-    def offload_session(self) -> OffloadSession:
-        """The ``OffloadSession`` for the activation budget; see :func:`offload_session`."""
-        return offload_session(self)
-
-    def free_memory(self, *objects: Any) -> Any:
-        """Unswap the optimizers swapped by this accelerator, then ``Accelerator.free_memory``."""
-        _state(self).unswap()
-        return super().free_memory(*objects)
+    offload_session = offload_session
 
 
 def install_globally() -> bool:
-    """Make every ``Accelerator`` swap like ``SwapAccelerator`` when the ``SWAPOPT_*``
-    variables ask (``swapopt run`` calls it); returns whether the patch is in place.
-    Idempotent; raises ``ValueError`` for a bad variable. See ``_accelerate_global``."""
-    from swapopt_plugins import _accelerate_global
+    """Make every ``Accelerator`` swap the optimizers it prepares, when the environment asks.
 
-    return _accelerate_global.install_globally()
+    Reads the ``SWAPOPT_*`` variables as ``SwapAccelerator()`` does. With
+    ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` it puts ``SwapAccelerator``'s ``prepare`` and
+    ``free_memory`` on ``Accelerator`` itself, so existing and future instances swap alike
+    (``swapopt run`` calls it); otherwise it changes nothing. Calling it again does nothing.
+
+    Returns:
+        Whether the patch is in place (``False`` when the variables ask for no swap).
+
+    Raises:
+        ValueError: A ``SWAPOPT_*`` variable has an invalid value (the message names it).
+    """
+    global _installed
+    if _installed is not None:
+        return True
+    plugin = SwapOptimizerPlugin()
+    if not plugin.enabled:
+        logger.debug("swapopt: SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE is not cpu; Accelerator unchanged")
+        return False
+    Accelerator.prepare = _swapping_prepare  # type: ignore[method-assign]
+    Accelerator.free_memory = _swapping_free_memory  # type: ignore[method-assign]
+    _installed = plugin
+    logger.info("swapopt: every Accelerator swaps the optimizers it prepares (%s)", plugin)
+    return True
 
 
 def uninstall_globally() -> bool:
-    """Undo ``install_globally``; returns whether a patch was removed."""
-    from swapopt_plugins import _accelerate_global
+    """Put ``Accelerator``'s own methods back; returns whether a patch was removed.
+    Optimizers swapped meanwhile stay swapped (``free_memory(accelerator)`` unswaps them)."""
+    global _installed
+    if _installed is None:
+        return False
+    Accelerator.prepare, Accelerator.free_memory = _OWN["prepare"], _OWN["free_memory"]
+    _installed = None
+    return True
 
-    return _accelerate_global.uninstall_globally()
+
+def installed_plugin() -> SwapOptimizerPlugin | None:
+    """The settings ``install_globally`` put in place, or ``None`` when it is not installed."""
+    return _installed

@@ -1,7 +1,8 @@
 """Lightning integration: ``Trainer(callbacks=[SwapOptimizerCallback(...)])``.
 
-One callback class per Lightning package, both written out here and both with the hooks of
-``swapopt_plugins._lightning_hooks.SwapCallbackHooks``:
+The callback is a ``swapopt_core.callbacks.SwapCallbackCore``, which decides what is swapped
+and when an activation session opens and closes; this module only maps Lightning's hooks
+onto it. One class per Lightning package, both with the hooks of ``_SwapHooks``:
 
 - ``SwapOptimizerCallback`` derives from ``pytorch_lightning.Callback``;
 - ``LightningSwapOptimizerCallback`` derives from ``lightning.pytorch.Callback``.
@@ -14,10 +15,15 @@ installed, ``SwapOptimizerCallback`` names ``LightningSwapOptimizerCallback``.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from swapopt_plugins._integrations import enable_lightning_auto
-from swapopt_plugins._lightning_hooks import SwapCallbackHooks, auto_callbacks
+from swapopt_core.callbacks import SwapCallbackCore
+from swapopt_core.options import auto_enabled
+
+# ``install_globally()`` adds the callback to every Trainer (what ``swapopt run`` calls): it
+# sets ``SWAPOPT_LIGHTNING_AUTO=1`` when the ``SWAPOPT_*`` variables ask for a swap.
+from swapopt_plugins._integrations import enable_lightning_auto as install_globally
 
 try:
     import pytorch_lightning as _pl
@@ -43,9 +49,125 @@ __all__ = [
     "lightning_callbacks_factory",
 ]
 
+#: Lightning's stand-in optimizers (``configure_optimizers`` returned None), by name: a
+#: callback of one package may serve the other's Trainer.
+_PLACEHOLDERS = frozenset(
+    f"{package}.core.optimizer._MockOptimizer"
+    for package in ("pytorch_lightning", "lightning.pytorch")
+)
+
+
+def _refusal(strategy: object) -> str | None:
+    """Why ``strategy`` cannot be served, or None when it can."""
+    names = {cls.__name__ for cls in type(strategy).__mro__}
+    if "DeepSpeedStrategy" in names:
+        zero = (getattr(strategy, "config", None) or {}).get("zero_optimization", {})
+        offloads = [
+            key
+            for key in ("offload_optimizer", "offload_param")
+            if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"
+        ]
+        already = f" and already offloads it ({', '.join(offloads)})" if offloads else ""
+        return (
+            f"SwapOptimizerCallback cannot run with {type(strategy).__name__}: DeepSpeed "
+            f"keeps the optimizer state inside its own ZeRO optimizer{already}. Use "
+            "DeepSpeedStrategy(offload_optimizer=True) without this callback, or keep the "
+            "callback and train with strategy='ddp' or FSDP without cpu_offload."
+        )
+    cpu_offload = getattr(strategy, "cpu_offload", None)
+    if "FSDPStrategy" in names and (
+        cpu_offload is True or getattr(cpu_offload, "offload_params", False)
+    ):
+        return (
+            f"SwapOptimizerCallback cannot run with {type(strategy).__name__}(cpu_offload="
+            f"{cpu_offload!r}): FSDP already keeps parameters, gradients and optimizer state "
+            "in host memory and steps there, so nothing is left on the device to swap. "
+            "Remove the callback, or set cpu_offload=False so the callback swaps only the "
+            "optimizer state."
+        )
+    return None
+
+
+class _SwapHooks(SwapCallbackCore):
+    """The hooks of ``SwapOptimizerCallback`` (both packages), each a call into the core."""
+
+    #: What ``setup`` raises for a strategy it cannot serve (the package's own exception).
+    _misconfiguration: ClassVar[type[Exception]] = ValueError
+
+    if TYPE_CHECKING:  # given by Lightning's Callback, which the concrete classes derive from
+
+        def _generate_state_key(self, **kwargs: Any) -> str: ...
+
+    @property
+    def state_key(self) -> str:
+        extra = {"auto": True} if self.auto else {}
+        return self._generate_state_key(
+            config=self.config, activation_offload=self.activation_offload, **extra
+        )
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.rank_zero = trainer.is_global_zero
+        # Either package's class counts: Lightning runs both kinds of callback.
+        others = [c for c in trainer.callbacks if isinstance(c, _SwapHooks) and c is not self]
+        if stage != "fit" or self.stand_by(others):
+            return
+        reason = _refusal(trainer.strategy)
+        if reason is not None:
+            raise self._misconfiguration(reason)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self.active:
+            return
+        optimizers = list(trainer.strategy.optimizers)
+        real = [
+            o
+            for o in optimizers
+            if f"{type(o).__module__}.{type(o).__qualname__}" not in _PLACEHOLDERS
+        ]
+        self.rank_zero = trainer.is_global_zero
+        if len(real) < len(optimizers):
+            # NOTE: Lightning trains such a module with a stand-in that has no state.
+            self.nothing_to_swap("configure_optimizers returned None (no optimizer)")
+        self.install(
+            real, automatic=pl_module.automatic_optimization, rank_zero=trainer.is_global_zero
+        )
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # Lightning restored the checkpoint after on_fit_start and moved the state to the
+        # device (_optimizer_to_device): take it back before the first forward.
+        self.reoffload()
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.batch_start()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self.before_optimizer_step()
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Whether this batch ends an accumulation window (so its optimizer step has run).
+        done = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        self.batch_end(window_done=done or batch_idx + 1 >= trainer.num_training_batches)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self.close_window()
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.close_window()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.remove(exception)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.remove()
+
+
 if _lp is not None:
 
-    class LightningSwapOptimizerCallback(SwapCallbackHooks, _lp.Callback):
+    class LightningSwapOptimizerCallback(_SwapHooks, _lp.Callback):
         """``SwapOptimizerCallback`` deriving from ``lightning.pytorch.Callback``.
 
         Same arguments and behaviour as ``SwapOptimizerCallback``; ``setup`` raises
@@ -60,7 +182,7 @@ else:  # pragma: no cover - only `pytorch_lightning` installed
 
 if _pl is not None:
 
-    class SwapOptimizerCallback(SwapCallbackHooks, _pl.Callback):
+    class SwapOptimizerCallback(_SwapHooks, _pl.Callback):
         """Keep optimizer state (and optionally activations) in host memory during ``fit``.
 
         Swaps every optimizer in place at fit start (schedulers, ``LightningOptimizer``,
@@ -90,28 +212,22 @@ else:  # pragma: no cover - only the unified `lightning` package installed
     SwapOptimizerCallback = LightningSwapOptimizerCallback  # type: ignore[assignment, misc]
 
 
+def _auto_callbacks(cls: type[_SwapHooks] | None) -> list[Any]:
+    """``[cls()]`` configured from the ``SWAPOPT_*`` variables when ``SWAPOPT_LIGHTNING_AUTO``
+    is a yes word, else ``[]``; raises ``ValueError`` naming a bad variable."""
+    if cls is None or not auto_enabled(os.environ):
+        return []
+    callback = cls.from_environment(cls.__name__)
+    callback.swap_enabled = True  # SWAPOPT_LIGHTNING_AUTO asks for the swap itself
+    return [callback]
+
+
 def callbacks_factory() -> list[Any]:
     """Entry point of ``pytorch_lightning.callbacks_factory``: the callback when
     ``SWAPOPT_LIGHTNING_AUTO=1``, configured from ``SWAPOPT_*`` variables; else ``[]``."""
-    return auto_callbacks(SwapOptimizerCallback) if _pl is not None else []
+    return _auto_callbacks(SwapOptimizerCallback if _pl is not None else None)
 
 
 def lightning_callbacks_factory() -> list[Any]:
     """Entry point of ``lightning.pytorch.callbacks_factory`` (see ``callbacks_factory``)."""
-    return auto_callbacks(LightningSwapOptimizerCallback) if _lp is not None else []
-
-
-def install_globally() -> bool:
-    """Add the callback to every ``Trainer`` from now on (what ``swapopt run`` calls).
-
-    Sets ``SWAPOPT_LIGHTNING_AUTO=1`` when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` or an
-    activation budget is set (a ``SWAPOPT_LIGHTNING_AUTO`` set by the user decides instead);
-    the callback reads its configuration from the same variables. Idempotent.
-
-    Returns:
-        Whether every Trainer now gets the callback.
-
-    Raises:
-        ValueError: A ``SWAPOPT_*`` variable is invalid; the message names it.
-    """
-    return enable_lightning_auto()
+    return _auto_callbacks(LightningSwapOptimizerCallback)

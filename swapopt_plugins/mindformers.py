@@ -2,9 +2,10 @@
 
 Importing this module registers ``SwapOptimizerCallback`` in MindFormers' registry, so a
 training YAML can name it: ``callbacks: [{type: SwapOptimizerCallback, swap_times: 8}]``.
-The launcher ``python -m swapopt_plugins.mindformers --config train.yaml`` (its code is in
-``swapopt_plugins._mindformers_launch``) also reads a top-level ``swap_optimizer:`` section,
-turns it into that callback entry and starts MindFormers' pynative ``Trainer``. Only
+The launcher ``python -m swapopt_plugins.mindformers --config train.yaml`` (``main``) also
+reads a top-level ``swap_optimizer:`` section, turns it into that callback entry
+(``swapopt_plugins._mindformers_config``, which needs no MindFormers) and starts MindFormers'
+pynative ``Trainer``. Only
 PyNative mode is served; in graph mode MindFormers has its own host-side optimizer state
 (``optimizer: {type: AdamW, swap: True}``).
 """
@@ -15,6 +16,7 @@ import dataclasses
 import json
 import logging
 import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from swapopt_core import (
@@ -28,6 +30,8 @@ from swapopt_plugins._mindformers_config import (
     GRAPH_HINT,
     SwapOptimizerSection,
     build_trainer_config,
+    read_command_line,
+    read_context,
 )
 
 try:
@@ -39,8 +43,6 @@ except ImportError as _error:  # pragma: no cover - exercised without mindformer
         f"swapopt_plugins.mindformers needs mindformers 1.9 with mindspore 2.9 ({_error}): "
         "pip install 'swapopt[mindformers]'."
     ) from _error
-
-from swapopt_plugins._mindformers_launch import main
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +118,36 @@ class SwapOptimizerCallback(TrainerCallback):
             return
         stats = dataclasses.asdict(swap_stats(optimizer))
         logger.info("swapopt stats at train end: %s", json.dumps(stats, sort_keys=True))
+
+
+def _apply_context(config: Mapping[str, Any]) -> None:
+    """PyNative mode, and the device named by ``context.device_target`` if the YAML has one."""
+    context = read_context(config)
+    mode = context.get("mode", ms.PYNATIVE_MODE)
+    if mode != ms.PYNATIVE_MODE:
+        raise ValueError(
+            f"context.mode={mode!r}: this launcher starts MindFormers' pynative Trainer, which "
+            f"needs context.mode: {ms.PYNATIVE_MODE} (PyNative). {GRAPH_HINT}"
+        )
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    if context.get("device_target"):
+        ms.set_device(context["device_target"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run MindFormers' pynative Trainer on a YAML, with the ``swap_optimizer:`` section.
+
+    Returns:
+        0 after training; 2 when the YAML or an option is invalid (the reason goes to stderr).
+    """
+    from mindformers.pynative.trainer import Trainer
+
+    read = read_command_line(argv, _apply_context)
+    if isinstance(read, int):
+        return read
+    args, config = read
+    Trainer(config=config).train(checkpoint_path=args.checkpoint, mode=args.mode)
+    return 0
 
 
 if __name__ == "__main__":

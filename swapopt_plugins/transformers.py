@@ -11,9 +11,9 @@ hook for an exception in ``train``: there the optimizer stays swapped (it keeps 
 next ``train`` re-installs it, or call ``unswap_optimizer(trainer.optimizer.optimizer)``).
 See ``docs/transformers.md``.
 
-The decisions (what to swap and unswap, when a session opens and closes) are those of the
-Lightning callback, ``swapopt_plugins._lightning_core.SwapCallbackCore``; this module maps
-the Trainer's events onto them.
+The callback is a ``swapopt_core.callbacks.SwapCallbackCore``, which decides what to swap
+and unswap and when a session opens and closes; this module maps the Trainer's events onto
+it.
 """
 
 from __future__ import annotations
@@ -25,30 +25,32 @@ import transformers.trainer as _hf_trainer
 from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from swapopt_core import (
-    OffloadConfig,
-    OffloadSession,
-    SwapOptimizerConfig,
-    SwapStats,
-    is_swap_optimizer,
-    offload_optimizer_state,
-    swap_stats,
-)
-from swapopt_plugins._lightning_core import SwapCallbackCore
-from swapopt_plugins._options import read_settings
+from swapopt_core import OffloadConfig, OffloadSession, SwapOptimizerConfig, SwapStats, swap_stats
+from swapopt_core.callbacks import SwapCallbackCore
+from swapopt_core.options import read_settings
 from swapopt_plugins.accelerate import release
 
 __all__ = ["SwapOptimizerCallback", "install_globally"]
 
 
-def _inner(optimizer: Any) -> Any:
-    """The torch optimizer inside the Trainer's ``AcceleratedOptimizer`` wrapper(s)."""
-    while isinstance(optimizer, AcceleratedOptimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
+def _refuse(args: TrainingArguments) -> None:
+    """Raise for the Trainer settings whose engine manages the optimizer state itself."""
+    if args.deepspeed:
+        raise ValueError(
+            f"SwapOptimizerCallback cannot run with TrainingArguments(deepspeed="
+            f"{args.deepspeed!r}): DeepSpeed keeps the optimizer state inside its own ZeRO "
+            "optimizer. Use DeepSpeed's offload_optimizer without this callback, or keep "
+            "the callback and drop deepspeed."
+        )
+    if any("offload" in str(option) for option in args.fsdp or ()):
+        raise ValueError(
+            f"SwapOptimizerCallback cannot run with TrainingArguments(fsdp={args.fsdp!r}): "
+            "FSDP's offload already keeps optimizer state in host memory. Remove the "
+            "callback or the 'offload' option."
+        )
 
 
-class SwapOptimizerCallback(TrainerCallback):
+class SwapOptimizerCallback(SwapCallbackCore, TrainerCallback):
     """Keep the Trainer's optimizer state in host memory; optionally offload activations.
 
     Args:
@@ -73,90 +75,60 @@ class SwapOptimizerCallback(TrainerCallback):
         *,
         activation_offload: OffloadConfig | None = None,
     ) -> None:
-        self._core = SwapCallbackCore(config, activation_offload)
-        self._swapped: list[Any] = []
+        super().__init__(config, activation_offload=activation_offload)
         self.stats: list[SwapStats] = []
-
-    @property
-    def config(self) -> SwapOptimizerConfig:
-        """The optimizer-swap config."""
-        return self._core.config
-
-    @property
-    def activation_offload(self) -> OffloadConfig | None:
-        """The activation-offload config, or None."""
-        return self._core.activation_offload
 
     @property
     def offload_session(self) -> OffloadSession | None:
         """The activation session (created at the first step), or None."""
-        return next(iter(self._core.offload_sessions.values()), None)
-
-    def _refuse(self, args: TrainingArguments) -> None:
-        if args.deepspeed:
-            raise ValueError(
-                f"SwapOptimizerCallback cannot run with TrainingArguments(deepspeed="
-                f"{args.deepspeed!r}): DeepSpeed keeps the optimizer state inside its own ZeRO "
-                "optimizer. Use DeepSpeed's offload_optimizer without this callback, or keep "
-                "the callback and drop deepspeed."
-            )
-        if any("offload" in str(option) for option in args.fsdp or ()):
-            raise ValueError(
-                f"SwapOptimizerCallback cannot run with TrainingArguments(fsdp={args.fsdp!r}): "
-                "FSDP's offload already keeps optimizer state in host memory. Remove the "
-                "callback or the 'offload' option."
-            )
+        return next(iter(self.offload_sessions.values()), None)
 
     def _collect(self) -> list[SwapStats]:
-        self.stats = [swap_stats(opt) for opt in self._swapped if is_swap_optimizer(opt)]
+        self.stats = [swap_stats(opt) for opt in self.swapped]
         return self.stats
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Swap the optimizer (its checkpoint state, if any, is loaded by now)."""
-        self._refuse(args)
+        """Swap the optimizer (its checkpoint state, if any, is loaded by now); one swapped
+        already (by ``swapopt run``'s Accelerate patch or the user) is kept, its restored
+        state taken back to host memory."""
+        if not self.swap_enabled:  # set from the environment with the swap off: sessions only
+            return
+        _refuse(args)
+        self.rank_zero = state.is_world_process_zero
         optimizer = kwargs.get("optimizer")
         if optimizer is None:
-            self._core.rank_zero = state.is_world_process_zero
-            self._core.nothing_to_swap("the Trainer passed no optimizer")
+            self.nothing_to_swap("the Trainer passed no optimizer")
             return
-        inner = _inner(optimizer)
-        swapped_before = is_swap_optimizer(inner) and not any(
-            inner is opt for opt in self._core._installed
-        )
-        self._core.install([inner], automatic=True, rank_zero=state.is_world_process_zero)
-        if swapped_before:
-            # NOTE: a swap installed at prepare() saw the checkpoint load put state back on
-            # the device; the first step would take it back anyway, this frees it now.
-            moved = offload_optimizer_state(inner)
-            self._core._say("swapopt: moved %d restored state tensors to host memory", moved)
-        self._swapped = [inner] if is_swap_optimizer(inner) else []
+        while isinstance(optimizer, AcceleratedOptimizer):  # the torch optimizer inside
+            optimizer = optimizer.optimizer
+        self.install([optimizer], rank_zero=self.rank_zero, offload_kept=True)
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """The first substep of an optimizer step begins: open the session."""
-        self._core.batch_start()
+        self.batch_start()
 
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """A substep ended without a step: the session stays open (opened if a resume
         started mid-window), so the next substep runs inside the same entry."""
-        self._core.batch_start()
+        self.batch_start()
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Backward (and clipping) done: the optimizer step runs outside the session."""
-        self._core.before_optimizer_step()
+        self.before_optimizer_step()
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Close a session a stop request left open."""
-        self._core.close_window()
+        self.close_window()
 
     def on_log(
         self,
@@ -167,7 +139,7 @@ class SwapOptimizerCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         """Add the swap's host and peak device bytes to the Trainer's logs."""
-        if logs is None or not self._swapped:
+        if logs is None or not self.swapped:
             return
         stats = self._collect()
         logs["swapopt_host_state_bytes"] = sum(s.host_state_bytes for s in stats)
@@ -179,27 +151,23 @@ class SwapOptimizerCallback(TrainerCallback):
         """Record ``swap_stats``, then remove the swap made for this ``train()``: the one this
         callback installed, or the one ``swapopt run``'s Accelerate patch made at
         ``prepare()`` (the next ``train()`` prepares, and so swaps, again)."""
-        if self._swapped:
+        swapped = self.swapped
+        if swapped:
             for stats in self._collect():
-                self._core._say("swapopt: %s", stats)
-        swapped, self._swapped = self._swapped, []
-        self._core.remove()
+                self.say("swapopt: %s", stats)
+        self.remove()
         for opt in swapped:
             release(opt)
 
 
 class _EnvSwapOptimizerCallback(SwapOptimizerCallback):
-    """The callback ``install_globally`` adds to every Trainer, set from ``SWAPOPT_*``."""
+    """The callback ``install_globally`` adds to every Trainer, set from ``SWAPOPT_*``; with
+    the swap off (``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE`` not ``cpu``) only sessions are kept."""
 
     def __init__(self) -> None:
         settings = read_settings({}, owner="SwapOptimizerCallback")
         super().__init__(settings.swap, activation_offload=settings.activations)
-        self._enabled = settings.enabled
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """As ``SwapOptimizerCallback``, but with the swap off only sessions are kept."""
-        if self._enabled:
-            super().on_train_begin(args, state, control, **kwargs)
+        self.swap_enabled = settings.enabled
 
 
 def install_globally() -> bool:

@@ -412,7 +412,7 @@ def test_first_use_warning_without_swapopt_run(tmp_path: Path) -> None:
     # Importing reads no environment (tests/core/test_imports.py); the first plugin manager,
     # which every swap and offload session builds, warns.
     first_use = (
-        "import swapopt_core, swapopt_plugins._options; "
+        "import swapopt_core, swapopt_core.options; "
         "swapopt_core.get_plugin_manager(); swapopt_core.new_plugin_manager()"
     )
     command = [sys.executable, "-c", first_use]

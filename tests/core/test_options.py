@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from swapopt_core import OffloadConfig, SwapOptimizerConfig, runtime_names
-from swapopt_core._options import (
+from swapopt_core.options import (
     NO,
     YES,
     Invalid,

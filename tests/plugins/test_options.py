@@ -1,9 +1,10 @@
 """The integrations' settings, read without any training framework.
 
-``swapopt_plugins._options`` (the ``SWAPOPT_*`` variables), the Accelerate settings
-dataclass and the MindFormers ``swap_optimizer:`` section import no framework: the last test
-reads them in a process where Lightning, Accelerate, MindSpore and MindFormers cannot be
-imported. The others pin the rules every integration shares.
+``swapopt_core.options`` (the ``SWAPOPT_*`` variables, and ``SwapSettings``, the dataclass
+Accelerate's ``SwapOptimizerPlugin`` is), the callback core and the MindFormers
+``swap_optimizer:`` section import no framework: the last test reads them in a process where
+Lightning, Accelerate, MindSpore and MindFormers cannot be imported. The others pin the rules
+every integration shares.
 """
 
 from __future__ import annotations
@@ -17,10 +18,16 @@ from pathlib import Path
 import pytest
 
 from swapopt_core import OffloadConfig, SwapOptimizerConfig
-from swapopt_core._options import NO, YES
-from swapopt_plugins._accelerate_settings import SwapOptimizerPlugin
+from swapopt_core.options import (
+    AUTO_ENV,
+    ENV_VARS,
+    NO,
+    YES,
+    auto_enabled,
+    read_settings,
+)
+from swapopt_core.options import SwapSettings as SwapOptimizerPlugin
 from swapopt_plugins._mindformers_config import SwapOptimizerSection, build_trainer_config
-from swapopt_plugins._options import AUTO_ENV, ENV_VARS, auto_enabled, read_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -221,10 +228,10 @@ _NO_FRAMEWORK = textwrap.dedent(
 
 
     sys.meta_path.insert(0, NoFramework())
-    from swapopt_plugins._accelerate_settings import SwapOptimizerPlugin
-    from swapopt_plugins._lightning_hooks import auto_callbacks
+    from swapopt_core.callbacks import SwapCallbackCore
+    from swapopt_core.options import SwapSettings as SwapOptimizerPlugin
+    from swapopt_core.options import auto_enabled, read_settings
     from swapopt_plugins._mindformers_config import SwapOptimizerSection, build_trainer_config
-    from swapopt_plugins._options import auto_enabled, read_settings
 
     environ = {"SWAPOPT_SWAP_TIMES": "3", "SWAPOPT_PACKED_SWAP": "yes",
                "SWAPOPT_ACTIVATION_BUDGET_MB": "2", "SWAPOPT_ACTIVATION_RUNTIME": "loopback"}

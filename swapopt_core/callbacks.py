@@ -1,17 +1,32 @@
-"""What the Lightning callbacks do, with no Lightning import.
+"""The framework-free core of swapopt's training-loop callbacks.
 
-``SwapCallbackCore`` holds the callback's state and decisions: when the optimizer swap is
-installed, re-offloaded and removed, and when an activation-offload session opens and
-closes. ``swapopt_plugins._lightning_hooks`` maps Lightning's hooks onto it, once for both
-packages; nothing here computes.
+``SwapCallbackCore`` holds a callback's state and decisions over the events every training
+loop has: when the optimizer swap is installed, its restored state re-offloaded and the swap
+removed, and when an activation-offload session opens and closes around the forward and
+backward of one optimizer step. An integration derives its callback from this class and
+its framework's callback class (``swapopt_plugins.lightning``, ``swapopt_plugins.
+transformers``), or holds one for a loop of your own; it only translates its framework's
+events into these calls and says where the config comes from (``from_environment`` reads
+the ``SWAPOPT_*`` variables). Nothing here computes or imports a training framework.
+
+Example:
+    >>> core = SwapCallbackCore(SwapOptimizerConfig(swap_times=8))
+    >>> core.install([optimizer])          # fit start
+    >>> for batch in loader:
+    ...     core.batch_start()             # opens the activation session, if configured
+    ...     loss(model(batch)).backward()
+    ...     core.before_optimizer_step()   # the step itself runs outside the session
+    ...     optimizer.step()
+    ...     core.batch_end(window_done=True)
+    >>> core.remove()                      # fit end: unswap what install swapped
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,31 +40,43 @@ from swapopt_core import (
     unswap_optimizer,
 )
 from swapopt_core._launch import note_nothing_to_swap
+from swapopt_core.options import read_settings
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SwapCallbackCore"]
 
 _STATE_VERSION = 1
+_C = TypeVar("_C", bound="SwapCallbackCore")
 _BATCH_START = -1  # session key of windows opened at a batch start (else: the index stepped)
 
 
-def _check_type(name: str, value: object, expected: type) -> None:
+def _check_type(owner: str, name: str, value: object, expected: type) -> None:
     if value is not None and not isinstance(value, expected):
         raise TypeError(
-            f"SwapOptimizerCallback({name}=...) must be a {expected.__name__} or None, got "
+            f"{owner}({name}=...) must be a {expected.__name__} or None, got "
             f"{value!r}. Pass e.g. {name}={expected.__name__}(...), or None for the default."
         )
 
 
 class SwapCallbackCore:
-    """State and decisions of ``SwapOptimizerCallback``, shared by both Lightning packages.
+    """State and decisions of a swapopt training callback, with no framework in them.
 
     Args:
         config: How optimizer state is swapped. Default: ``SwapOptimizerConfig()``.
         activation_offload: When given, each optimizer step's forward and backward run
             inside one ``OffloadSession`` with this config. Default: None (no offload).
-        auto: Created by the entry-point factory rather than by the user.
+        auto: Created from the environment rather than by the user (see ``stand_by``).
+        owner: How messages name the callback, e.g. ``"SwapOptimizerCallback"``.
+
+    Attributes:
+        config: The optimizer-swap config.
+        activation_offload: The activation-offload config, or None.
+        swap_enabled: Whether ``install`` swaps (``from_environment`` sets it from
+            ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE``); else only sessions are kept.
+        offload_sessions: The sessions of the current fit, keyed by the kind of window.
+        optimizer_steps: Optimizer steps seen (restored by ``load_state_dict``).
+        reoffloaded_tensors: State tensors ``reoffload`` took back to host memory.
 
     Raises:
         TypeError: ``config`` or ``activation_offload`` has the wrong type.
@@ -58,21 +85,39 @@ class SwapCallbackCore:
     def __init__(
         self,
         config: SwapOptimizerConfig | None = None,
-        activation_offload: OffloadConfig | None = None,
         *,
+        activation_offload: OffloadConfig | None = None,
         auto: bool = False,
+        owner: str = "SwapOptimizerCallback",
     ) -> None:
-        _check_type("config", config, SwapOptimizerConfig)
-        _check_type("activation_offload", activation_offload, OffloadConfig)
+        _check_type(owner, "config", config, SwapOptimizerConfig)
+        _check_type(owner, "activation_offload", activation_offload, OffloadConfig)
         self.config = SwapOptimizerConfig() if config is None else config
         self.activation_offload = activation_offload
         self.auto = auto
+        self.owner = owner
+        self.swap_enabled = True
         self.active = True
         self.rank_zero = True
         self.optimizer_steps = 0
         self.reoffloaded_tensors = 0
         self.offload_sessions: dict[int, OffloadSession] = {}
         self._reset_run()
+
+    @classmethod
+    def from_environment(cls: type[_C], owner: str, *, auto: bool = True) -> _C:
+        """A core configured from the ``SWAPOPT_*`` variables (``options.read_settings``).
+
+        ``swap_enabled`` says whether ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``; the activation
+        config is set when ``SWAPOPT_ACTIVATION_BUDGET_MB`` is.
+
+        Raises:
+            ValueError: A variable holds a value that is not accepted; the message names it.
+        """
+        settings = read_settings({}, owner=owner)
+        core = cls(settings.swap, activation_offload=settings.activations, auto=auto, owner=owner)
+        core.swap_enabled = settings.enabled
+        return core
 
     def _reset_run(self) -> None:
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -93,7 +138,8 @@ class SwapCallbackCore:
         self.__dict__.update(state)
         self._reset_run()
 
-    def _say(self, message: str, *args: object) -> None:
+    def say(self, message: str, *args: object) -> None:
+        """Log ``message`` at INFO, on rank zero only."""
         if self.rank_zero:
             logger.info(message, *args)
 
@@ -103,22 +149,36 @@ class SwapCallbackCore:
         self,
         optimizers: Iterable[torch.optim.Optimizer],
         *,
-        automatic: bool,
-        rank_zero: bool,
+        automatic: bool = True,
+        rank_zero: bool = True,
+        offload_kept: bool = False,
     ) -> None:
-        """Swap every optimizer of this fit (those swapped by the user already are kept)."""
+        """Swap every optimizer of this fit (those swapped by someone else already are kept).
+
+        Args:
+            optimizers: The loop's torch optimizers (unwrapped).
+            automatic: Whether the loop steps the optimizers itself; in manual
+                optimization each ``step()`` also opens the next activation window.
+            rank_zero: Whether this process logs.
+            offload_kept: Take the state of a kept optimizer back to host memory now (a
+                checkpoint restore after its swap moved it to the device).
+        """
         self.remove()
         self._automatic, self.rank_zero = automatic, rank_zero
         self._optimizers = list(optimizers)
         self.offload_sessions = {}
         for opt in self._optimizers:
             if is_swap_optimizer(opt):
-                self._say("swapopt: %s is already swapped; keeping it", type(opt).__name__)
-            elif is_swap_optimizer(swap_optimizer(opt, self.config)):
+                self.say("swapopt: %s is already swapped; keeping it", type(opt).__name__)
+                if offload_kept:
+                    # NOTE: the first step would take it back anyway; this frees it now.
+                    moved = offload_optimizer_state(opt)
+                    self.say("swapopt: moved %d restored state tensors to host memory", moved)
+            elif self.swap_enabled and is_swap_optimizer(swap_optimizer(opt, self.config)):
                 self._installed.append(opt)
             if self.activation_offload is not None:
                 self._handles.append(opt.register_step_post_hook(self._after_step))
-        self._say(
+        self.say(
             "swapopt: optimizer swap on %d of %d optimizers (%s)%s",
             len(self._installed),
             len(self._optimizers),
@@ -136,12 +196,26 @@ class SwapCallbackCore:
         if self.rank_zero:
             logger.warning("swapopt: %s, so there is nothing to swap; training goes on", why)
 
+    def stand_by(self, explicit: Sequence[object]) -> bool:
+        """Whether this callback stays idle for this fit: it was created from the environment
+        (``auto``) and ``explicit`` holds callbacks the user set (one swap is enough)."""
+        self.active = not (self.auto and explicit)
+        if not self.active:
+            name = type(explicit[0]).__name__
+            self.say("swapopt: %s set explicitly; the auto-registered one stays idle", name)
+        return not self.active
+
+    @property
+    def swapped(self) -> list[torch.optim.Optimizer]:
+        """The optimizers of this fit that are swapped now (installed here or kept)."""
+        return [opt for opt in self._optimizers if is_swap_optimizer(opt)]
+
     def reoffload(self) -> int:
         """Take state a checkpoint restore moved to the device back into host memory."""
         moved = sum(offload_optimizer_state(opt) for opt in self._installed)
         self.reoffloaded_tensors += moved
         if moved:
-            self._say("swapopt: moved %d restored state tensors to host memory", moved)
+            self.say("swapopt: moved %d restored state tensors to host memory", moved)
         return moved
 
     # ---- activation-offload windows --------------------------------------------------------
@@ -210,8 +284,8 @@ class SwapCallbackCore:
             self._reset_run()
             if errors and exc is None:
                 raise errors[0]
-            for error in errors:
-                logger.warning("swapopt: unswap failed while handling an error: %r", error)
+            for failed in errors:
+                logger.warning("swapopt: unswap failed while handling an error: %r", failed)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data only (checkpoints load with ``weights_only=True``)."""
@@ -230,4 +304,4 @@ class SwapCallbackCore:
         self.reoffloaded_tensors = int(state_dict.get("reoffloaded_tensors", 0))
         saved = state_dict.get("config")
         if saved is not None and saved != dataclasses.asdict(self.config):
-            self._say("swapopt: checkpoint was written with %s; now using %s", saved, self.config)
+            self.say("swapopt: checkpoint was written with %s; now using %s", saved, self.config)

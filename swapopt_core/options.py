@@ -1,9 +1,12 @@
-"""The ``SWAPOPT_*`` environment variables the Lightning and Accelerate integrations read.
+"""Where swapopt's options come from, parsed one way: the public entry point.
 
-This module only names the variables and says which config field each one feeds; the
-values are checked and converted by the core's one parser
-(``SwapOptimizerConfig.from_options`` and ``OffloadConfig.from_options``), so a bad value
-gets the same kind of error wherever it is written.
+Keyword arguments, YAML sections, ``SWAPOPT_*`` environment variables and command-line
+flags are all read by one parser (``read_options`` with ``Option`` fields, and the configs'
+``SwapOptimizerConfig.from_options`` / ``OffloadConfig.from_options``), so a bad value gets
+the same kind of error wherever it is written. This module gives the integrations what they
+read: the parser's vocabulary, the ``SWAPOPT_*`` variables (``read_settings``,
+``SwapSettings``) and the ``swap_optimizer:`` section of a training YAML
+(``SwapOptimizerSection``). It imports no training framework.
 
 Settings (field name: environment variable):
 
@@ -22,15 +25,41 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from swapopt_core import OffloadConfig, SwapOptimizerConfig
-from swapopt_core._options import NO, YES, Invalid, Option, parse_bool, parse_mib, read_options
+from swapopt_core._options import (
+    NO,
+    YES,
+    Invalid,
+    Option,
+    parse_bool,
+    parse_int,
+    parse_mib,
+    parse_name_list,
+    read_options,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AUTO_ENV", "ENV_VARS", "Settings", "auto_enabled", "read_settings"]
+__all__ = [
+    "AUTO_ENV",
+    "ENV_VARS",
+    "NO",
+    "YES",
+    "Invalid",
+    "Option",
+    "Settings",
+    "SwapSettings",
+    "auto_enabled",
+    "parse_bool",
+    "parse_int",
+    "parse_mib",
+    "parse_name_list",
+    "read_options",
+    "read_settings",
+]
 
 #: Field name -> the environment variable it defaults from.
 ENV_VARS: dict[str, str] = {
@@ -82,7 +111,7 @@ class Settings:
     @property
     def enabled(self) -> bool:
         """Whether optimizer state goes to host memory (``offload_optimizer_device=cpu``)."""
-        return self.values["offload_optimizer_device"] == "cpu"
+        return bool(self.values["offload_optimizer_device"] == "cpu")
 
 
 def read_settings(
@@ -164,3 +193,67 @@ def auto_enabled(environ: Mapping[str, str]) -> bool:
             f"environment variable {AUTO_ENV}={raw!r} is invalid; accepted: a boolean "
             f"({'/'.join(YES + NO)})."
         ) from None
+
+
+@dataclass
+class SwapSettings:
+    """The ``SWAPOPT_*`` settings as a dataclass; each ``None`` field defaults from its variable.
+
+    The fields are resolved when the object is created (explicit value, else the variable,
+    else the default), the way Accelerate's plugin dataclasses read ``ACCELERATE_*``; a field
+    set afterwards counts, a variable set afterwards does not.
+
+    Args:
+        offload_optimizer_device: ``"cpu"`` keeps optimizer state in host memory, ``"none"``
+            leaves the optimizer alone. Env ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE``; default
+            ``"none"``.
+        swap_times: Pipeline batches per step. Env ``SWAPOPT_SWAP_TIMES``; default 16.
+        min_numel: Smaller state tensors stay on the device. Env ``SWAPOPT_MIN_NUMEL``;
+            default 1024.
+        packed_swap: ``True``/``False``, or ``"auto"`` for the runtime default. Env
+            ``SWAPOPT_PACKED_SWAP``; default ``"auto"``.
+        runtime: Runtime of the optimizer swap: ``"auto"``, ``"cuda"``, ``"loopback"`` or a
+            plugin's. Env ``SWAPOPT_RUNTIME``; default ``"auto"``.
+        activation_budget_mb: Device budget in MiB for activations; ``"none"`` switches
+            activation offload off. Env ``SWAPOPT_ACTIVATION_BUDGET_MB``; default off.
+        activation_runtime: Runtime of the activation offload: ``"auto"`` (where the
+            activations live), ``"cuda"``, ``"loopback"`` or ``"loopback-async"``. Env
+            ``SWAPOPT_ACTIVATION_RUNTIME``; default ``"auto"``.
+
+    Raises:
+        ValueError: A field or environment variable has an invalid value; the message
+            names it (``ClassName.field`` or the variable), shows the value and lists the
+            accepted ones.
+    """
+
+    offload_optimizer_device: str | None = None
+    swap_times: int | None = None
+    min_numel: int | None = None
+    packed_swap: bool | str | None = None
+    runtime: str | None = None
+    activation_budget_mb: float | str | None = None
+    activation_runtime: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in read_settings(self._fields(), owner=type(self).__name__).values.items():
+            setattr(self, name, value)
+
+    def _fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def _settings(self) -> Settings:
+        # The fields hold resolved values (or were set since): read them, not the environment.
+        return read_settings(self._fields(), owner=type(self).__name__, environ={})
+
+    @property
+    def enabled(self) -> bool:
+        """Whether optimizer state goes to host memory (``offload_optimizer_device == "cpu"``)."""
+        return self.offload_optimizer_device == "cpu"
+
+    def swap_config(self) -> SwapOptimizerConfig:
+        """The ``SwapOptimizerConfig`` these settings describe."""
+        return self._settings().swap
+
+    def offload_config(self) -> OffloadConfig | None:
+        """The ``OffloadConfig`` for the activation budget, or ``None`` when it is unset."""
+        return self._settings().activations

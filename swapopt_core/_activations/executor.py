@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import logging
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +44,7 @@ from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Executor", "Verdict"]
+__all__ = ["Counts", "Executor", "Verdict"]
 
 
 class Verdict(enum.Enum):
@@ -62,6 +63,26 @@ class Verdict(enum.Enum):
     @property
     def missed(self) -> bool:
         return self in (Verdict.MISSED, Verdict.DROPPED, Verdict.RETRACED)
+
+
+@dataclass
+class Counts:
+    """What the session's entries did, added up by the executor as each entry ends
+    (``OffloadStats`` reports them under the same names)."""
+
+    peak_resident_activation_bytes: int = 0
+    last_peak_resident_activation_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    warmups: int = 0
+    replays: int = 0
+    retraces: int = 0
+    host_cap_refusals: int = 0
+    gradient_bytes: int = 0  # parameter gradient bytes the last warmup found
+    recomputes: int = 0
+    demand_recomputes: int = 0
+    replans: int = 0
+    plan_switches: int = 0
 
 
 class Executor:
@@ -92,12 +113,7 @@ class Executor:
         self.pool: HostPool | None = None
         self.leaves: list[weakref.ref] = []  # leaf tensors the last recording hooked
         self._bandwidth: tuple[ActivationRuntime, tuple[float, float]] | None = None
-        self.counts = dict.fromkeys(
-            ("warmups", "replays", "retraces", "d2h", "h2d", "peak", "last_peak", "refusals"), 0
-        )
-        self.counts["gradients"] = 0  # parameter gradient bytes the last warmup found
-        self.counts["recomputes"] = self.counts["demand_recomputes"] = 0
-        self.counts["replans"] = self.counts["switches"] = 0
+        self.counts = Counts()
 
     # ---- the plans -----------------------------------------------------------------------
 
@@ -186,10 +202,10 @@ class Executor:
                 return None
             verdict = self._judge(entry)
             counts = self.counts
-            counts["warmups"] += verdict.traced
-            counts["retraces"] += verdict.missed
-            counts["replays"] += verdict is Verdict.REPLAYED
-            counts["switches"] += entry.switches
+            counts.warmups += verdict.traced
+            counts.retraces += verdict.missed
+            counts.replays += verdict is Verdict.REPLAYED
+            counts.plan_switches += entry.switches
             if verdict.traced:
                 self.book.ended(self._plan(entry))
             elif verdict is Verdict.REPLAYED:
@@ -207,19 +223,20 @@ class Executor:
     def _tally(self, entry: Entry) -> None:
         """Add what the entry moved and held to the session's counts."""
         residency, counts = entry.residency, self.counts
-        counts["last_peak"] = residency.peak_bytes if residency is not None else 0
+        last = residency.peak_bytes if residency is not None else 0
         peak = None if entry.replaying else entry.gradients.peak()
         if peak is not None:  # a warmup or a fall-back: its parameter gradients taken out
-            counts["last_peak"] = peak
-        counts["peak"] = max(counts["peak"], counts["last_peak"])
+            last = peak
+        counts.last_peak_resident_activation_bytes = last
+        counts.peak_resident_activation_bytes = max(counts.peak_resident_activation_bytes, last)
         if residency is not None:
-            counts["d2h"] += residency.d2h_bytes
-            counts["h2d"] += residency.h2d_bytes
-            counts["refusals"] += residency.host_cap_refusals
-        counts["recomputes"] += entry.recomputes
-        counts["demand_recomputes"] += entry.recomputes - entry.planned_recomputes
+            counts.d2h_bytes += residency.d2h_bytes
+            counts.h2d_bytes += residency.h2d_bytes
+            counts.host_cap_refusals += residency.host_cap_refusals
+        counts.recomputes += entry.recomputes
+        counts.demand_recomputes += entry.recomputes - entry.planned_recomputes
         if entry.recording:  # it traced the step: the gradients it found are the plan's
-            counts["gradients"] = entry.gradients.nbytes
+            counts.gradient_bytes = entry.gradients.nbytes
 
     def _judge(self, entry: Entry) -> Verdict:
         if entry.replayed_to_end:
@@ -282,7 +299,7 @@ class Executor:
         pinned = plan.pinned | (entry.unmovable() & set(trace.storage_sizes))
         plan.resize(trace, _without(self.planner.plan(trace), pinned))
         plan.pinned = frozenset(pinned)
-        self.counts["replans"] += 1
+        self.counts.replans += 1
         self._trim_pool()
         logger.info(
             "activation plan made again for %d larger storages: %d actions",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import logging
 import threading
@@ -220,24 +221,11 @@ class OffloadSession:
 
     def stats(self) -> OffloadStats:
         executor = self._executor
-        counts = executor.counts
         return OffloadStats(
-            peak_resident_activation_bytes=counts["peak"],
-            last_peak_resident_activation_bytes=counts["last_peak"],
-            d2h_bytes=counts["d2h"],
-            h2d_bytes=counts["h2d"],
-            warmups=counts["warmups"],
-            replays=counts["replays"],
-            retraces=counts["retraces"],
+            **dataclasses.asdict(executor.counts),
             host_peak_bytes=executor.pool.peak if executor.pool is not None else 0,
-            host_cap_refusals=counts["refusals"],
             planned_actions=len(executor.schedule) if executor.schedule is not None else 0,
             budget_bytes=self.config.budget_bytes,
-            gradient_bytes=counts["gradients"],
-            recomputes=counts["recomputes"],
-            demand_recomputes=counts["demand_recomputes"],
-            replans=counts["replans"],
-            plan_switches=counts["switches"],
             plans_kept=len(executor.book),
         )
 

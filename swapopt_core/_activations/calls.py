@@ -26,7 +26,7 @@ def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.is_mutable:
         return []
-    written = []
+    written: list[torch.Tensor] = []
     for position, argument in enumerate(schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue

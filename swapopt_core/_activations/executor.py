@@ -4,7 +4,7 @@ The session calls ``enter()`` and ``exit()`` around every entry; everything in b
 the executor's: which runtime serves the activations, whether the entry traces or replays,
 what a replay that leaves its plan does, and when a plan is dropped. The plan is the
 serialised contract, an ``ActivationTrace`` and its ``ResidencySchedule``: fresh from the
-planner or read back from JSON, it is all a replay consults (see ``entry.py``).
+planner or read back from JSON, it is all a replay consults (see ``replay_entry.py``).
 
 The rules, in one place:
 
@@ -12,7 +12,7 @@ The rules, in one place:
 - The session keeps a plan per distinct op sequence (``PlanBook``, ``plans.py``). An entry
   **replays** the plan that followed the last entry's plan last time (else that plan
   again). When the step leaves it at op ``k``, the replay goes on with a kept plan that
-  shares the first ``k`` ops and has the step's op ``k`` (``handover.py``); without one it
+  shares the first ``k`` ops and has the step's op ``k`` (``replay_entry.py``); without one it
   falls back to a warmup seeded with the plan's first ``k`` ops, which is planned at the
   end and kept as another plan (a **retrace**).
 - A replay whose storages come out larger than planned keeps replaying under the budget,
@@ -28,6 +28,8 @@ from __future__ import annotations
 import enum
 import logging
 import weakref
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,14 +38,17 @@ from swapopt_core._activations.cuda_runtime import CudaActivationRuntime
 from swapopt_core._activations.entry import Entry
 from swapopt_core._activations.plans import Plan, PlanBook, canonical, grown
 from swapopt_core._activations.recording import check_marks
+from swapopt_core._activations.replay_entry import ReplayEntry
 from swapopt_core._activations.residency import HostPool
 from swapopt_core._activations.runtime import ActivationRuntime, RuntimeChoice, resolve_runtime
+from swapopt_core._activations.scope import Scope
+from swapopt_core._activations.warmup import WarmupEntry
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Executor", "Verdict"]
+__all__ = ["Counts", "Executor", "Verdict"]
 
 
 class Verdict(enum.Enum):
@@ -62,6 +67,27 @@ class Verdict(enum.Enum):
     @property
     def missed(self) -> bool:
         return self in (Verdict.MISSED, Verdict.DROPPED, Verdict.RETRACED)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What the session's entries did, added up by the executor as each entry ends. The
+    session's ``OffloadStats`` is these counts and a few figures of the session now; its
+    docstring says what each means."""
+
+    peak_resident_activation_bytes: int = 0
+    last_peak_resident_activation_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    warmups: int = 0
+    replays: int = 0
+    retraces: int = 0
+    host_cap_refusals: int = 0
+    gradient_bytes: int = 0  # parameter gradient bytes the last warmup found
+    recomputes: int = 0
+    demand_recomputes: int = 0
+    replans: int = 0
+    plan_switches: int = 0
 
 
 class Executor:
@@ -92,12 +118,7 @@ class Executor:
         self.pool: HostPool | None = None
         self.leaves: list[weakref.ref] = []  # leaf tensors the last recording hooked
         self._bandwidth: tuple[ActivationRuntime, tuple[float, float]] | None = None
-        self.counts = dict.fromkeys(
-            ("warmups", "replays", "retraces", "d2h", "h2d", "peak", "last_peak", "refusals"), 0
-        )
-        self.counts["gradients"] = 0  # parameter gradient bytes the last warmup found
-        self.counts["recomputes"] = self.counts["demand_recomputes"] = 0
-        self.counts["replans"] = self.counts["switches"] = 0
+        self.counts = Counts()
 
     # ---- the plans -----------------------------------------------------------------------
 
@@ -119,11 +140,6 @@ class Executor:
         plan = Plan(trace, schedule)
         self.book.add(plan)
         self.book.last = plan  # the next entry starts with it
-
-    def tracks(self, plan: Plan) -> bool:
-        """Whether a replay of ``plan`` registers every storage: when some kept plan moves
-        storages (a switch to it must find them), or when a fall-back needed it."""
-        return plan.binding or plan.track or self.book.binding
 
     def load(self, trace: ActivationTrace, schedule: ResidencySchedule) -> None:
         """``adopt`` a plan from elsewhere (JSON files), after checking it can drive a replay.
@@ -185,17 +201,23 @@ class Executor:
             if exc_type is not None:
                 return None
             verdict = self._judge(entry)
+            replay, warmup = entry.replay, entry.warmup
             counts = self.counts
-            counts["warmups"] += verdict.traced
-            counts["retraces"] += verdict.missed
-            counts["replays"] += verdict is Verdict.REPLAYED
-            counts["switches"] += entry.switches
+            self.counts = replace(
+                counts,
+                warmups=counts.warmups + verdict.traced,
+                retraces=counts.retraces + verdict.missed,
+                replays=counts.replays + (verdict is Verdict.REPLAYED),
+                plan_switches=counts.plan_switches + (replay.switches if replay else 0),
+            )
             if verdict.traced:
-                self.book.ended(self._plan(entry))
+                assert warmup is not None
+                self.book.ended(self._plan(entry.scope, warmup))
             elif verdict is Verdict.REPLAYED:
-                if entry.grown:
-                    self._replan(entry)
-                self.book.ended(entry.plan)
+                assert replay is not None
+                if replay.grown:
+                    self._replan(entry.scope, replay)
+                self.book.ended(replay.plan)
             return verdict
         finally:
             self.entry = None
@@ -206,34 +228,47 @@ class Executor:
 
     def _tally(self, entry: Entry) -> None:
         """Add what the entry moved and held to the session's counts."""
-        residency, counts = entry.residency, self.counts
-        counts["last_peak"] = residency.peak_bytes if residency is not None else 0
-        peak = None if entry.replaying else entry.gradients.peak()
+        scope, counts, warmup = entry.scope, self.counts, entry.warmup
+        traced = warmup is not None and warmup.recording  # its gradients are the plan's
+        if not scope.started:  # no op ran: nothing moved, nothing held
+            found = 0 if traced else counts.gradient_bytes
+            self.counts = replace(
+                counts, last_peak_resident_activation_bytes=0, gradient_bytes=found
+            )
+            return
+        residency, gradients = scope.residency, scope.gradients
+        last = residency.peak_bytes
+        peak = gradients.peak() if warmup is not None else None
         if peak is not None:  # a warmup or a fall-back: its parameter gradients taken out
-            counts["last_peak"] = peak
-        counts["peak"] = max(counts["peak"], counts["last_peak"])
-        if residency is not None:
-            counts["d2h"] += residency.d2h_bytes
-            counts["h2d"] += residency.h2d_bytes
-            counts["refusals"] += residency.host_cap_refusals
-        counts["recomputes"] += entry.recomputes
-        counts["demand_recomputes"] += entry.recomputes - entry.planned_recomputes
-        if entry.recording:  # it traced the step: the gradients it found are the plan's
-            counts["gradients"] = entry.gradients.nbytes
+            last = peak
+        planned = entry.replay.planned_recomputes if entry.replay is not None else 0
+        self.counts = replace(
+            counts,
+            last_peak_resident_activation_bytes=last,
+            peak_resident_activation_bytes=max(counts.peak_resident_activation_bytes, last),
+            d2h_bytes=counts.d2h_bytes + residency.d2h_bytes,
+            h2d_bytes=counts.h2d_bytes + residency.h2d_bytes,
+            host_cap_refusals=counts.host_cap_refusals + residency.host_cap_refusals,
+            recomputes=counts.recomputes + residency.recomputes,
+            demand_recomputes=counts.demand_recomputes + residency.recomputes - planned,
+            gradient_bytes=gradients.nbytes if traced else counts.gradient_bytes,
+        )
 
     def _judge(self, entry: Entry) -> Verdict:
-        if entry.replayed_to_end:
-            entry.plan.misses = 0
+        replay, warmup = entry.replay, entry.warmup
+        if warmup is not None and warmup.recording:
+            return Verdict.RETRACED if replay is not None else Verdict.TRACED
+        assert replay is not None  # a warmup that does not record took over from a replay
+        if replay.replayed_to_end:
+            replay.plan.misses = 0
             return Verdict.REPLAYED
-        if entry.recording:
-            return Verdict.RETRACED if entry.diverged else Verdict.TRACED
-        if entry.replaying:  # it ended early: its ops differ from the trace
+        if warmup is None:  # it ended early: its ops differ from the trace
             logger.info(
-                "activation replay ran %d of %d traced ops", entry.op + 1, entry.ops_planned
+                "activation replay ran %d of %d traced ops", replay.op + 1, replay.ops_planned
             )
         # NOTE: a one-off step (Lightning logs differently on an epoch's first batch) keeps the
         # plan; the same plan missed twice in a row is dropped.
-        plan = entry.plan
+        plan = replay.plan
         plan.misses += 1
         if plan.misses < 2:
             return Verdict.MISSED
@@ -241,29 +276,29 @@ class Executor:
         self._trim_pool()
         return Verdict.DROPPED
 
-    def _plan(self, entry: Entry) -> Plan:
-        """Plan the step a recording entry traced; the new plan is kept."""
-        runtime = entry.runtime
+    def _plan(self, scope: Scope, warmup: WarmupEntry) -> Plan:
+        """Plan the step a recording warmup traced; the new plan is kept."""
+        runtime = scope.runtime if scope.started else None
         if isinstance(runtime, CudaActivationRuntime):
             # Op durations are read from events: they must all have completed.
             torch.cuda.synchronize(runtime.device)
         d2h, h2d = self._bandwidths(runtime or self.runtime or ActivationRuntime())
         trace = ActivationTrace(
-            tuple(entry.trace_ops()),
-            entry.storage_sizes(),
-            entry.retained(),
+            tuple(warmup.trace_ops()),
+            warmup.storage_sizes(),
+            scope.retained(),
             self.budget_bytes,
             d2h,
             h2d,
             self.min_offload_bytes,
-            entry.freed_after(),
+            warmup.freed_after(),
         )
-        trace, (pinned,) = canonical(trace, entry.unmovable())
+        trace, (pinned,) = canonical(trace, warmup.unmovable())
         schedule = _without(self.planner.plan(trace), pinned)
         plan = Plan(trace, schedule, pinned)
         self.book.add(plan)
         self._trim_pool()
-        leaves = entry.gradients.leaves()
+        leaves = scope.gradients.leaves() if scope.started else []
         if leaves:
             self.leaves = leaves
         logger.info(
@@ -275,18 +310,18 @@ class Executor:
         )
         return plan
 
-    def _replan(self, entry: Entry) -> None:
+    def _replan(self, scope: Scope, replay: ReplayEntry) -> None:
         """Plan the replayed op sequence again for the sizes that grew (no warmup)."""
-        plan = entry.plan
-        trace = grown(plan.trace, entry.grown)
-        pinned = plan.pinned | (entry.unmovable() & set(trace.storage_sizes))
+        plan = replay.plan
+        trace = grown(plan.trace, replay.grown)
+        pinned = plan.pinned | (scope.unresizable() & set(trace.storage_sizes))
         plan.resize(trace, _without(self.planner.plan(trace), pinned))
         plan.pinned = frozenset(pinned)
-        self.counts["replans"] += 1
+        self.counts = replace(self.counts, replans=self.counts.replans + 1)
         self._trim_pool()
         logger.info(
             "activation plan made again for %d larger storages: %d actions",
-            len(entry.grown),
+            len(replay.grown),
             len(plan.schedule),
         )
 
@@ -306,16 +341,15 @@ class Executor:
         another device than the last one's gets a runtime (and host pool) of its own. A named
         runtime was made at the first entry and serves them all.
         """
-        runtime = self.runtime
-        if runtime is None or not self.runtimes.keeps(runtime, device):
-            self._use(self.runtimes.make(device))
-            logger.info(
-                "activation offload: %s runtime for tensors on %s", self.runtime.name, device
-            )
-        return self.runtime, self.pool
+        runtime, pool = self.runtime, self.pool
+        if runtime is None or pool is None or not self.runtimes.keeps(runtime, device):
+            runtime, pool = self._use(self.runtimes.make(device))
+            logger.info("activation offload: %s runtime for tensors on %s", runtime.name, device)
+        return runtime, pool
 
-    def _use(self, runtime: ActivationRuntime) -> None:
+    def _use(self, runtime: ActivationRuntime) -> tuple[ActivationRuntime, HostPool]:
         self.runtime, self.pool = runtime, HostPool(runtime, self.config.host_cap_bytes)
+        return self.runtime, self.pool
 
     def _bandwidths(self, runtime: ActivationRuntime) -> tuple[float, float]:
         """D2H and H2D bandwidth of ``runtime``, measured once."""
@@ -331,7 +365,7 @@ def _builtin_runtimes(name: str) -> RuntimeChoice:
     return resolve_runtime(name, {c.name: c for c in swapopt_register_activation_runtimes()})
 
 
-def _without(schedule: ResidencySchedule, pinned: set[int]) -> ResidencySchedule:
+def _without(schedule: ResidencySchedule, pinned: AbstractSet[int]) -> ResidencySchedule:
     """``schedule`` with no action on the ``pinned`` storages: they stay on the device."""
     if not pinned:
         return schedule

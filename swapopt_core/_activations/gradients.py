@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from swapopt_core._activations.entry import Entry
-    from swapopt_core._activations.residency import Tracked
+    from swapopt_core._activations.residency import Residency, Tracked
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +34,11 @@ class GradientWatch:
     """The leaf tensors one entry hooked, and the gradient storages it untracked.
 
     Args:
-        entry: The entry whose residency tracks the storages.
+        residency: The entry's residency, which tracks the storages.
     """
 
-    def __init__(self, entry: Entry) -> None:
-        self._entry = weakref.ref(entry)  # the hooks must not keep a finished entry alive
+    def __init__(self, residency: Residency) -> None:
+        self._residency = weakref.ref(residency)  # hooks must not keep a finished entry alive
         self._hooked: dict[int, tuple[weakref.ref, Any]] = {}
         self.sids: set[int] = set()
         self.nbytes = 0
@@ -52,10 +51,10 @@ class GradientWatch:
 
     def sample(self, resident_bytes: int, op: int | None = None) -> None:
         """Note the resident bytes now; ``op``: the op whose outputs were just tracked."""
-        entry = self._entry()
-        if not self._samples and entry is not None and entry.residency is not None:
+        residency = self._residency()
+        if not self._samples and residency is not None:
             # The peak before the first sample: that of a replay that then left its plan.
-            self._samples.append(entry.residency.peak_bytes)
+            self._samples.append(residency.peak_bytes)
         if op is not None:
             self._end_sample[op] = len(self._samples)
         self._samples.append(resident_bytes)
@@ -110,13 +109,12 @@ class GradientWatch:
                 self.watch(tensor)
 
     def _accumulated(self, tensor: torch.Tensor) -> None:
-        entry = self._entry()
+        residency = self._residency()
         grad = tensor.grad
-        if self.closed or entry is None or entry.residency is None or grad is None:
+        if self.closed or residency is None or grad is None:
             return
         if grad.layout != torch.strided:
             return
-        residency = entry.residency
         tracked = residency.by_storage.get(grad.untyped_storage())
         if tracked is None or tracked.sid in self.sids:
             return
@@ -124,11 +122,7 @@ class GradientWatch:
             self.released(tracked)  # counted up to now (unless paged in some other way)
         for start, stop in self._held.pop(tracked.sid, ()):
             self._discounts.append((start, stop, tracked.nbytes))
-        entry.quiet += 1  # a page-in below runs ops of ours, not the step's
-        try:
-            residency.untrack(tracked)
-        finally:
-            entry.quiet -= 1
+        residency.untrack(tracked)
         self.sids.add(tracked.sid)
         self.nbytes += tracked.nbytes
         logger.debug("storage %d is a parameter gradient: untracked", tracked.sid)

@@ -138,6 +138,11 @@ class PlanBook:
         """Whether any kept plan moves something."""
         return any(plan.binding for plan in self.plans)
 
+    def tracks(self, plan: Plan) -> bool:
+        """Whether a replay of ``plan`` registers every storage: when some kept plan moves
+        storages (a switch to it must find them), or when a fall-back needed it."""
+        return plan.binding or plan.track or self.binding
+
     def add(self, plan: Plan) -> None:
         """Keep ``plan`` (most recently used); the least recently used goes beyond
         ``capacity``."""

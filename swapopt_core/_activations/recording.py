@@ -27,7 +27,7 @@ and ``live_refusal`` applies them all to the live call when a replay keeps a rec
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -208,15 +208,19 @@ def fresh_outputs(
         tracked: The warmup's tracked storages, each with a ``sid``.
         made: The ids of the storages this op created.
     """
-    return not _stale_output(out, devices, inputs, tracked, made)
+
+    def older(storage: torch.UntypedStorage) -> bool:
+        entry = tracked.get(storage)
+        return entry is not None and entry.sid not in made
+
+    return not _stale_output(out, devices, inputs, older)
 
 
 def _stale_output(
     out: object,
     devices: frozenset[str],
     inputs: Collection[torch.UntypedStorage],
-    tracked: Mapping[torch.UntypedStorage, Any],
-    made: Collection[int],
+    older: Callable[[torch.UntypedStorage], bool] | None = None,
 ) -> str:
     """Why an output breaks ``fresh_outputs``'s rule, or ``""``."""
     for value in tree_leaves(out):
@@ -229,8 +233,7 @@ def _stale_output(
         storage = value.untyped_storage()
         if storage in inputs:
             return "returns a tensor in the storage of an input"
-        entry = tracked.get(storage)
-        if entry is not None and entry.sid not in made:
+        if older is not None and older(storage):
             return "returns a tensor in a storage that existed before it ran"
     return ""
 
@@ -244,7 +247,7 @@ def live_refusal(func: Any, args: tuple, kwargs: dict, out: object) -> str:
     inputs = [
         v.untyped_storage() for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)
     ]
-    return _stale_output(out, devices, inputs, {}, ())
+    return _stale_output(out, devices, inputs)
 
 
 def resolve_op(name: str) -> Any:

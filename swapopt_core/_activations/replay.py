@@ -15,15 +15,11 @@ from __future__ import annotations
 import logging
 import math
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from swapopt_core._activations.recipe import Recipe, drop_recipes, keep_recipes
-from swapopt_core._planning.ir import (
-    AccessKind,
-    ActionKind,
-    ActivationTrace,
-    ResidencySchedule,
-)
+from swapopt_core._planning.ir import AccessKind, ActionKind, ActivationTrace, ResidencySchedule
 from swapopt_core._planning.recipes import drop_op, wants_recipe
 
 logger = logging.getLogger(__name__)
@@ -107,8 +103,8 @@ class ReplayTables:
         written: list[list[int]] = [[] for _ in range(count)]
         last_access: dict[int, int] = {}
         self.uses: dict[int, list[int]] = {}
-        for index, op in enumerate(ops):
-            for access in op.accesses:
+        for index, traced in enumerate(ops):
+            for access in traced.accesses:
                 sid = access.storage_id
                 if sid not in sizes:
                     continue  # a parameter gradient or another storage replay never moves
@@ -158,7 +154,7 @@ class ReplayTables:
         self.limit = peak if self.track_all else math.inf
 
 
-def _net(actions: tuple, sizes: dict[int, int]) -> int:
+def _net(actions: tuple, sizes: Mapping[int, int]) -> int:
     """Bytes ``actions`` allocate on the device, less the bytes they release."""
     net = 0
     for action in actions:

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Container
+from collections.abc import Container
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swapopt_core._activations.quiet import Quiet
 from swapopt_core._activations.runtime import ActivationRuntime
+
+if TYPE_CHECKING:
+    from swapopt_core._activations.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -113,18 +117,28 @@ class Tracked:
     capacity: int = 0  # bytes of the host buffer to take: the plan's size when larger
     d2h: Any = None  # ticket of a copy out still reading the storage
     h2d: Any = None  # ticket of a copy in still writing it
-    recipe: Any = None  # how to regenerate it without a host copy (replay.Recipe)
+    recipe: Recipe | None = None  # how to regenerate it without a host copy
 
     def storage(self) -> torch.UntypedStorage | None:
         return self.ref()
 
 
 class Residency:
-    """Bookkeeping and moves for the activation storages of one session entry."""
+    """Bookkeeping and moves for the activation storages of one session entry.
 
-    def __init__(self, runtime: ActivationRuntime, pool: HostPool) -> None:
+    Args:
+        runtime: What copies, waits and allocates host memory.
+        pool: The host buffers of the session.
+        quiet: The entry's guard, held while a move runs ops of its own (a recompute, a
+            page-in when a storage is untracked). Default: one of its own.
+    """
+
+    def __init__(
+        self, runtime: ActivationRuntime, pool: HostPool, quiet: Quiet | None = None
+    ) -> None:
         self.runtime = runtime
         self.pool = pool
+        self.quiet = quiet if quiet is not None else Quiet()
         self.by_storage: weakref.WeakKeyDictionary[torch.UntypedStorage, Tracked] = (
             weakref.WeakKeyDictionary()
         )
@@ -136,8 +150,7 @@ class Residency:
         self.d2h_bytes = 0
         self.h2d_bytes = 0
         self.host_cap_refusals = 0
-        # Regenerates a released storage that has a recipe and no host copy (replay sets it).
-        self.regenerate: Callable[[Tracked], None] | None = None
+        self.recomputes = 0  # storages made again from their recipes
 
     # ---- registration --------------------------------------------------------------------
 
@@ -259,8 +272,9 @@ class Residency:
         if not entry.host_valid:
             self.recompute(entry)
             return
-        storage.resize_(entry.nbytes)
         host = entry.host
+        assert host is not None  # a valid host copy lives in a host buffer
+        storage.resize_(entry.nbytes)
         if host.numel() != entry.nbytes:  # a buffer of the plan's larger size
             host = host[: entry.nbytes]
         ticket = self.runtime.copy_in(storage, host)
@@ -283,7 +297,8 @@ class Residency:
     def untrack(self, entry: Tracked) -> None:
         """Stop tracking ``entry`` (a parameter gradient): back on the device, its host copy
         dropped, out of the resident bytes; nothing moves it again."""
-        self.ready(entry)
+        with self.quiet:  # a page-in here runs ops of ours, not the step's
+            self.ready(entry)
         self._drop_host(entry)
         if entry.resident:
             self.resident_bytes -= entry.nbytes
@@ -306,12 +321,20 @@ class Residency:
         """Bring a released ``entry`` back by re-running the op that made it (its recipe)."""
         if entry.resident or not entry.alive:
             return
-        if entry.recipe is None or self.regenerate is None:
+        recipe = entry.recipe
+        if recipe is None:
             raise RuntimeError(
                 f"Activation storage {entry.sid} is off the device with neither a host copy "
                 "nor a recipe to recompute it; this is a bug in the replay, please report it."
             )
-        self.regenerate(entry)
+        storage = entry.storage()
+        if storage is not None:
+            with self.quiet:  # the op re-run and the page-ins below are ours, not the step's
+                for source in recipe.inputs:
+                    if source.alive:
+                        self.ready(source)  # pages in, or recomputes, what is away
+                recipe.run_into(storage, entry.nbytes)
+            self.recomputes += 1
         # Marked resident once its bytes are back: a failure before leaves it released.
         entry.resident = True
         self.released.discard(entry.sid)
@@ -324,6 +347,23 @@ class Residency:
             storage = entry.storage() if entry.alive else None
             if storage is not None:
                 self.by_storage[storage] = entry
+
+    def ready_any(self, storages: Container[int]) -> None:
+        """Ready the storages away or in flight whose objects' ids are in ``storages`` (a
+        replay registers its storages by id only, so they are matched by object)."""
+        by_sid = self.by_sid
+        for sid in [*self.released, *self.pending_in]:
+            entry = by_sid.get(sid)
+            if entry is not None and id(entry.storage()) in storages:
+                self.ready(entry)
+
+    def unresizable(self) -> set[int]:
+        """Live storages that cannot be released: shared with NumPy or foreign memory."""
+        return {
+            e.sid
+            for e in self.by_sid.values()
+            if e.alive and (s := e.storage()) is not None and not s.resizable()
+        }
 
     def release_host(self, entry: Tracked) -> None:
         if entry.resident:

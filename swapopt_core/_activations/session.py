@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import pluggy
 import torch
@@ -17,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from swapopt_core import _launch
 from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.entry import Entry
-from swapopt_core._activations.executor import Executor
+from swapopt_core._activations.executor import Counts, Executor
 from swapopt_core._activations.runtime import RuntimeChoice, resolve_runtime
 from swapopt_core._planning.interface import ResidencyPlanner, resolve_planner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
@@ -32,8 +33,8 @@ _ACTIVE: contextvars.ContextVar[OffloadSession | None] = contextvars.ContextVar(
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-@dataclass(frozen=True)
-class OffloadStats:
+@dataclass(frozen=True, kw_only=True)
+class OffloadStats(Counts):
     """What an ``OffloadSession`` did since it was created.
 
     Attributes:
@@ -70,22 +71,9 @@ class OffloadStats:
         plans_kept: Plans (distinct op sequences) the session keeps now, at most 4.
     """
 
-    peak_resident_activation_bytes: int
-    last_peak_resident_activation_bytes: int
-    d2h_bytes: int
-    h2d_bytes: int
-    warmups: int
-    replays: int
-    retraces: int
     host_peak_bytes: int
-    host_cap_refusals: int
     planned_actions: int
     budget_bytes: int
-    gradient_bytes: int = 0
-    recomputes: int = 0
-    demand_recomputes: int = 0
-    replans: int = 0
-    plan_switches: int = 0
     plans_kept: int = 0
 
 
@@ -201,7 +189,7 @@ class OffloadSession:
         self._token = _ACTIVE.set(self)
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if self._owner is not threading.current_thread():
             raise RuntimeError(
                 "OffloadSession.__exit__ was called from another thread than its __enter__; "
@@ -220,24 +208,11 @@ class OffloadSession:
 
     def stats(self) -> OffloadStats:
         executor = self._executor
-        counts = executor.counts
         return OffloadStats(
-            peak_resident_activation_bytes=counts["peak"],
-            last_peak_resident_activation_bytes=counts["last_peak"],
-            d2h_bytes=counts["d2h"],
-            h2d_bytes=counts["h2d"],
-            warmups=counts["warmups"],
-            replays=counts["replays"],
-            retraces=counts["retraces"],
+            **dataclasses.asdict(executor.counts),
             host_peak_bytes=executor.pool.peak if executor.pool is not None else 0,
-            host_cap_refusals=counts["refusals"],
             planned_actions=len(executor.schedule) if executor.schedule is not None else 0,
             budget_bytes=self.config.budget_bytes,
-            gradient_bytes=counts["gradients"],
-            recomputes=counts["recomputes"],
-            demand_recomputes=counts["demand_recomputes"],
-            replans=counts["replans"],
-            plan_switches=counts["switches"],
             plans_kept=len(executor.book),
         )
 

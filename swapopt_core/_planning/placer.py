@@ -10,16 +10,10 @@ from dataclasses import dataclass
 
 from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.ir import ActionKind, ResidencySchedule
-from swapopt_core._planning.machine import Machine
+from swapopt_core._planning.simulate import Machine
 
-__all__ = ["Gap", "Pass", "Placer", "gap_start"]
+__all__ = ["Gap", "GapPlacer", "Pass", "gap_start"]
 
-_D2H, _RELEASE, _H2D, _RELEASE_HOST = (
-    ActionKind.COPY_D2H,
-    ActionKind.RELEASE_DEVICE,
-    ActionKind.COPY_H2D,
-    ActionKind.RELEASE_HOST,
-)
 # Gap states during a pass.
 _WAIT, _OPEN, _OFF, _BACK = range(4)
 
@@ -71,7 +65,7 @@ class _RangeMax:
         return max(row[lo], row[hi - (1 << level)])
 
 
-class Placer:
+class GapPlacer:
     """One simulated pass that places copies and releases for a set of chosen gaps."""
 
     def __init__(self, ix: TraceIndex, budget: int) -> None:
@@ -127,7 +121,7 @@ class Placer:
         deficits: list[tuple[int, int]] = []
 
         def release(g: Gap, i: int) -> None:
-            sched.add_pre(i, g.sid, _RELEASE)
+            sched.add_pre(i, g.sid, ActionKind.RELEASE_DEVICE)
             m.release_device(g.sid, "")
             state[g.key] = _OFF
             released_at[g.key] = i
@@ -156,7 +150,7 @@ class Placer:
             forced = []
             while queue and queue[0][0] <= i:
                 forced.append(chosen[heapq.heappop(queue)[1]])
-            over = m.resident + created + sum(g.size for g in forced) - budget
+            over = m.memory.resident + created + sum(g.size for g in forced) - budget
             if over > 0:
                 over = make_room(i, over)
                 if over > 0:
@@ -167,22 +161,22 @@ class Placer:
                 g = chosen[queue[0][1]]
                 if lead[g.key] > i or released_at[g.key] >= i:
                     break
-                if m.resident + created + g.size + self._bump(i, g.b) > budget:
+                if m.memory.resident + created + g.size + self._bump(i, g.b) > budget:
                     break
                 heapq.heappop(queue)
                 self._reload(sched, m, g, i, state, back)
             m.run_op(i)
             for g in copy_at.get(i, ()):
                 if g.sid in m.on_device and not m.host.get(g.sid):
-                    sched.add_post(i, g.sid, _D2H)
+                    sched.add_post(i, g.sid, ActionKind.COPY_D2H)
                     m.copy_d2h(g.sid, "")
             for g in open_at.get(i, ()):
                 if g.sid in m.on_device and m.host.get(g.sid):
                     state[g.key] = _OPEN
-                    heapq.heappush(copying, (m.d2h_end.get(g.sid, 0.0), g.key))
+                    heapq.heappush(copying, (m.d2h.end.get(g.sid, 0.0), g.key))
             for sid in drop_host.get(i, ()):
                 if sid in m.host and sid in m.on_device:
-                    sched.add_post(i, sid, _RELEASE_HOST)
+                    sched.add_post(i, sid, ActionKind.RELEASE_HOST)
                     m.release_host(sid, "")
             if i == ix.n - 1:
                 self._reload_kept(sched, m, chosen, queue, state)
@@ -203,8 +197,8 @@ class Placer:
         last = self.ix.n - 1
         while queue:
             g = chosen[heapq.heappop(queue)[1]]
-            if m.resident + g.size <= self.budget:
-                sched.add_post(last, g.sid, _H2D)
+            if m.memory.resident + g.size <= self.budget:
+                sched.add_post(last, g.sid, ActionKind.COPY_H2D)
                 m.copy_h2d(g.sid, "")
                 state[g.key] = _BACK
 
@@ -212,7 +206,7 @@ class Placer:
     def _reload(
         sched: ResidencySchedule, m: Machine, g: Gap, i: int, state: dict[int, int], back: list
     ) -> None:
-        sched.add_pre(i, g.sid, _H2D)
+        sched.add_pre(i, g.sid, ActionKind.COPY_H2D)
         m.copy_h2d(g.sid, "")
         state[g.key] = _BACK
         heapq.heappush(back, (-g.b, g.key))

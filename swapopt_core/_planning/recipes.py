@@ -1,5 +1,5 @@
 """How long a replay keeps each recipe, and so its producer's inputs: one rule for the replay
-(``_activations/replay.py``) and the simulator (``machine.py``).
+(``_activations/replay.py``) and the simulator (``simulate.py``).
 
 A replay keeps a *recipe* for every storage the schedule may need to make again: one with a
 ``RECOMPUTE`` action, or one released without ever being copied out. The recipe is taken

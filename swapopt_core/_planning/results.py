@@ -1,5 +1,5 @@
 """What a simulated replay of a schedule produced: its cost, its memory and every copy and
-recompute it ran (``simulate.simulate``, ``machine.Machine.result``)."""
+recompute it ran (``simulate.simulate``, ``simulate.Machine.result``)."""
 
 from __future__ import annotations
 

@@ -67,12 +67,14 @@ has neither a valid host copy nor a way to be recomputed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from bisect import bisect_right
+from collections.abc import Mapping, Sequence
 
 from swapopt_core._planning.index import TraceIndex
-from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
-from swapopt_core._planning.machine import CopySpan, Machine, RecomputeSpan, SimulationResult
-from swapopt_core._planning.recipes import recipe_lives
+from swapopt_core._planning.ir import Action, ActionKind, ActivationTrace, ResidencySchedule
+from swapopt_core._planning.recipes import RecipeLife, recipe_lives
+from swapopt_core._planning.resources import CopyLink, DeviceMemory, RecipeHolds
+from swapopt_core._planning.results import CopySpan, RecomputeSpan, SimulationResult
 
 __all__ = [
     "CopySpan",
@@ -114,8 +116,8 @@ def simulate(
     """
     ix = index if index is not None else TraceIndex(trace)
     machine = Machine(ix, record=record, recipes=recipe_lives(ix, schedule))
-    pre: dict[int, Sequence] = {}
-    post: dict[int, Sequence] = {}
+    pre: Mapping[int, Sequence[Action]] = {}
+    post: Mapping[int, Sequence[Action]] = {}
     if schedule is not None:
         _check_ops(schedule.pre, ix.n, "pre")
         _check_ops(schedule.post, ix.n, "post")
@@ -129,3 +131,292 @@ def simulate(
         machine.natural_free(i)
     machine.finish()
     return machine.result()
+
+
+class Machine:
+    """The device model, one step at a time. ``simulate`` drives it with a schedule; the
+    planner drives it with its own decisions, so both follow the same rules."""
+
+    def __init__(
+        self,
+        index: TraceIndex,
+        *,
+        record: bool = True,
+        recipes: Mapping[int, RecipeLife] | None = None,
+    ) -> None:
+        trace = index.trace
+        self.ix = index
+        self.record = record
+        self.t = 0.0
+        self.copies: list[CopySpan] = []
+        spans = self.copies if record else None
+        self.d2h = CopyLink("D2H", trace.d2h_bandwidth_gbps, spans)
+        self.h2d = CopyLink("H2D", trace.h2d_bandwidth_gbps, spans)
+        self.memory = DeviceMemory(record)
+        self.host_bytes = 0
+        self.peak_host = 0
+        self.on_device: set[int] = set()
+        self.dead: set[int] = set()
+        self.host: dict[int, bool] = {}  # sid -> host copy valid
+        self.release_wait = self.reload_wait = self.fetch_wait = self.recompute_ms = 0.0
+        self.fetches = self.recomputes = self.demand_recomputes = 0
+        self.done = -1  # the last op that has run
+        self.ignored = 0
+        self.op_start: list[float] = []
+        self.recomputed: list[RecomputeSpan] = []
+        # The replay's recipes (``recipes.py``): each holds its producer's inputs alive.
+        self.holds = RecipeHolds(recipes or {})
+
+    def _written(self, sid: int, after: int, upto: int) -> bool:
+        """Whether an op in ``after+1 .. upto`` writes ``sid``."""
+        ops = self.ix.writes.get(sid, ())
+        return bisect_right(ops, upto) > bisect_right(ops, after)
+
+    def recomputable(self, sid: int, upto: int | None = None) -> bool:
+        """Whether re-running ``sid``'s producer gives its bytes now (``upto=None``), or at
+        any point until op ``upto`` starts its successor (what a release needs: nothing may
+        spoil the recipe before the storage is read again)."""
+        ix = self.ix
+        op = ix.producer.get(sid)
+        if op is None or op > self.done or sid in self.dead:
+            return False
+        until = self.done if upto is None else upto
+        if self._written(sid, op, until):
+            return False
+        held = sid in self.holds.live  # its recipe keeps the inputs alive
+        for x in ix.recompute_inputs[sid]:
+            if x in self.dead or self._written(x, op, until):
+                return False
+            if upto is not None and not held and x not in ix.retained and ix.end[x] <= upto:
+                return False  # freed before the storage is needed again
+        return True
+
+    def _needed_until(self, sid: int) -> int:
+        """The op before the next access of ``sid`` (the last op for a kept output; now,
+        for a storage past its last access that only recipes hold)."""
+        ops = [op for op, _ in self.ix.by_storage.get(sid, ())]
+        k = bisect_right(ops, self.done)
+        if k < len(ops):
+            return ops[k] - 1
+        return self.ix.n - 1 if sid in self.ix.retained else self.done
+
+    def _known(self, sid: int, where: str, kind: ActionKind) -> int:
+        size = self.ix.sizes.get(sid)
+        if size is None:
+            raise ValueError(f"{kind.value} {where} names storage {sid}, which the trace lacks.")
+        return size
+
+    def copy_d2h(self, sid: int, where: str) -> None:
+        size = self._known(sid, where, ActionKind.COPY_D2H)
+        if sid not in self.on_device:
+            raise ValueError(f"COPY_D2H {where}: storage {sid} is not on the device.")
+        if self.host.get(sid):
+            self.ignored += 1
+            return
+        self.d2h.copy(sid, size, max(self.t, self.h2d.end.get(sid, 0.0)))
+        if sid not in self.host:
+            self.host_bytes += size
+            self.peak_host = max(self.peak_host, self.host_bytes)
+        self.host[sid] = True
+
+    def release_device(self, sid: int, where: str) -> None:
+        size = self._known(sid, where, ActionKind.RELEASE_DEVICE)
+        if sid not in self.on_device or not (
+            self.host.get(sid)
+            or (sid in self.holds.live and self.recomputable(sid, self._needed_until(sid)))
+        ):
+            self.ignored += 1
+            return
+        ready = max(self.d2h.end.get(sid, 0.0), self.h2d.end.get(sid, 0.0))
+        if ready > self.t:
+            self.release_wait += ready - self.t
+            self.t = ready
+        self.on_device.discard(sid)
+        self.memory.free(size, self.t)
+
+    def copy_h2d(self, sid: int, where: str) -> None:
+        size = self._known(sid, where, ActionKind.COPY_H2D)
+        if sid in self.on_device:
+            self.ignored += 1
+            return
+        if not self.host.get(sid) or sid in self.dead:
+            raise ValueError(f"COPY_H2D {where}: storage {sid} has no valid host copy.")
+        self.memory.alloc(size, self.t)
+        self.on_device.add(sid)
+        self._copy_in(sid, size, self.t)
+
+    def _copy_in(self, sid: int, size: int, issued: float) -> float:
+        return self.h2d.copy(sid, size, max(issued, self.d2h.end.get(sid, 0.0)))
+
+    def release_host(self, sid: int, where: str) -> None:
+        size = self._known(sid, where, ActionKind.RELEASE_HOST)
+        if sid not in self.host or sid not in self.on_device:
+            self.ignored += 1
+            return
+        del self.host[sid]
+        self.host_bytes -= size
+
+    def recompute(self, sid: int, where: str, *, demand: bool = False) -> None:
+        """Make ``sid`` again by re-running its producer (``RECOMPUTE``, or on demand)."""
+        size = self._known(sid, where, ActionKind.RECOMPUTE)
+        if sid in self.on_device:
+            self.ignored += 1
+            return
+        if not self.recomputable(sid):
+            raise ValueError(
+                f"RECOMPUTE {where}: storage {sid} cannot be recomputed there (its producer is "
+                "not marked recompute, or it or the producer's inputs were written or freed "
+                "since)."
+            )
+        op = self.ix.producer[sid]
+        inputs = self.ix.recompute_inputs[sid]
+        for x in inputs:
+            if x not in self.on_device:
+                if not demand:
+                    raise ValueError(
+                        f"RECOMPUTE {where}: storage {sid} needs storage {x}, the input of op "
+                        f"{op}, on the device; bring it back first."
+                    )
+                self.demand(x, where)
+        ready = max((self.h2d.end.get(x, 0.0) for x in inputs), default=0.0)
+        if ready > self.t:  # the producer's inputs are still being copied in
+            self.reload_wait += ready - self.t
+            self.t = ready
+        self.memory.alloc(size, self.t)
+        self.on_device.add(sid)
+        start, self.t = self.t, self.t + self.ix.durations[op]
+        self.recompute_ms += self.ix.durations[op]
+        if demand:
+            self.demand_recomputes += 1
+        else:
+            self.recomputes += 1
+        if self.record:
+            self.recomputed.append(RecomputeSpan(sid, op, start, self.t))
+
+    def demand(self, sid: int, where: str) -> None:
+        """Bring ``sid`` back because something needs it now: fetch it, or recompute it."""
+        size = self.ix.sizes[sid]
+        if self.host.get(sid) and sid not in self.dead:
+            self.memory.alloc(size, self.t)
+            self.on_device.add(sid)
+            end = self._copy_in(sid, size, self.t)
+            self.fetches += 1
+            self.fetch_wait += end - self.t
+            self.t = end
+        elif self.recomputable(sid):
+            self.recompute(sid, where, demand=True)
+        else:
+            raise ValueError(
+                f"{where} accesses storage {sid}, which is released without a valid host copy "
+                "and cannot be recomputed: it cannot be brought back."
+            )
+
+    def apply(self, kind: ActionKind, sid: int, where: str) -> None:
+        if kind is ActionKind.COPY_D2H:
+            self.copy_d2h(sid, where)
+        elif kind is ActionKind.RELEASE_DEVICE:
+            self.release_device(sid, where)
+        elif kind is ActionKind.COPY_H2D:
+            self.copy_h2d(sid, where)
+        elif kind is ActionKind.RECOMPUTE:
+            self.recompute(sid, where)
+        else:
+            self.release_host(sid, where)
+
+    def run_op(self, i: int) -> None:
+        ix = self.ix
+        sizes = ix.sizes
+        start = self.t
+        for sid in ix.created_at[i]:
+            if sid not in self.on_device:
+                self.on_device.add(sid)
+                self.memory.alloc(sizes[sid], start)
+        for sid, _ in ix.accesses[i]:
+            if sid not in self.on_device:
+                self.demand(sid, f"op {i}")
+        waited = self.t
+        for sid, wrote in ix.accesses[i]:
+            ready = self.h2d.end.get(sid, 0.0)
+            if wrote:
+                # A writer waits for a copy out still reading the storage.
+                ready = max(ready, self.d2h.end.get(sid, 0.0))
+                if sid in self.host:
+                    self.host[sid] = False
+            if ready > waited:
+                self.reload_wait += ready - waited
+                waited = ready
+        self.op_start.append(waited)
+        self.t = waited + ix.durations[i]
+        self.done = i
+        for sid in self.holds.taken.get(i, ()):
+            if sid in self.on_device:  # the replay takes the recipe as the op returns
+                self.holds.take(sid)
+
+    def natural_free(self, i: int) -> None:
+        """After op ``i``'s post actions: recipes whose drop op it is go (those of storages
+        off the device without a host copy stay until they die), then the storages whose
+        last access it is die, unless a recipe holds them."""
+        holds = self.holds
+        for sid in holds.drops.get(i, ()):
+            if sid in holds.live and (sid in self.on_device or self.host.get(sid)):
+                self._let_go(sid)
+        for sid in self.ix.freed_at[i]:
+            if holds.holders.get(sid):
+                holds.held.add(sid)
+            else:
+                self._die(sid)
+
+    def _die(self, sid: int) -> None:
+        size = self.ix.sizes[sid]
+        self.dead.add(sid)
+        self.holds.held.discard(sid)
+        if sid in self.host:
+            del self.host[sid]
+            self.host_bytes -= size
+        if sid in self.on_device:
+            self.on_device.discard(sid)
+            busy = max(self.d2h.end.get(sid, 0.0), self.h2d.end.get(sid, 0.0))
+            self.memory.free(size, self.t, busy)
+        if sid in self.holds.live:
+            self._let_go(sid)
+
+    def _let_go(self, sid: int) -> None:
+        """Drop the recipe of ``sid``: inputs it alone held past their last access die."""
+        for x in self.holds.let_go(sid):
+            self._die(x)
+
+    def finish(self) -> None:
+        """The step ends once every retained storage is back on the device."""
+        for sid in sorted(self.ix.retained):
+            if sid not in self.ix.sizes or sid not in self.ix.first:
+                continue
+            if sid not in self.on_device:
+                self.demand(sid, "the end of the step")
+            self.t = max(self.t, self.h2d.end.get(sid, 0.0))
+
+    def result(self) -> SimulationResult:
+        compute = self.ix.total_ms
+        stall = max(0.0, self.t - compute)
+        return SimulationResult(
+            total_ms=self.t,
+            compute_ms=compute,
+            overhead=stall / compute if compute > 0 else 0.0,
+            peak_bytes=self.memory.peak,
+            natural_peak_bytes=self.ix.natural_peak,
+            demand_fetches=self.fetches,
+            stall_ms=stall,
+            release_wait_ms=self.release_wait,
+            reload_wait_ms=self.reload_wait,
+            demand_fetch_ms=self.fetch_wait,
+            peak_host_bytes=self.peak_host,
+            d2h_bytes=self.d2h.bytes,
+            h2d_bytes=self.h2d.bytes,
+            ignored_actions=self.ignored,
+            timeline=tuple(self.memory.timeline),
+            copies=tuple(self.copies),
+            op_start_ms=tuple(self.op_start),
+            recomputes=self.recomputes,
+            demand_recomputes=self.demand_recomputes,
+            recompute_ms=self.recompute_ms,
+            recomputed=tuple(self.recomputed),
+        )

@@ -11,7 +11,7 @@ copy bandwidths:
    that hides them). Gaps of storages below the trace's ``min_offload_bytes`` are used only
    if nothing else fits.
 2. **Placement by simulation.** One pass over the ops drives the simulator's device model
-   (:class:`~swapopt_core._planning.machine.Machine`), so every decision sees simulated
+   (:class:`~swapopt_core._planning.simulate.Machine`), so every decision sees simulated
    times and stream occupancy. Copies out are issued right after the last write (one FIFO
    stream per direction). A storage is released only when an op needs the room: first
    storages whose copy has finished (farthest next use first: no stall), then those whose copy
@@ -45,7 +45,7 @@ from collections import defaultdict
 from swapopt_core._planning.bounds import floor_reason, format_bytes, min_feasible_budget
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
-from swapopt_core._planning.placer import Gap, Pass, Placer, gap_start
+from swapopt_core._planning.placer import Gap, GapPlacer, Pass, gap_start
 from swapopt_core._planning.recompute import plan_with_recompute
 from swapopt_core._planning.simulate import TraceIndex, simulate
 
@@ -125,7 +125,7 @@ class TimedPlanner(ResidencyPlanner):
 
     def _search(self, ix: TraceIndex, budget: int, min_bytes: int) -> Pass:
         gaps = self._gaps(ix)
-        planner = Placer(ix, budget)
+        planner = GapPlacer(ix, budget)
         chosen: dict[int, Gap] = {}
         result = planner.run(chosen, None)
         for round_ in range(self.max_rounds):

@@ -74,8 +74,8 @@ class MindSporeLoopbackRuntime(MindSporeRuntime):
 
     Released "device" buffers go back to a pool that the next request of the same byte
     size takes, as a device's caching allocator keeps freed blocks: a fresh multi-megabyte
-    buffer per batch and step would fault its pages in again on every first touch, a cost
-    no device has (it was a third of the loopback's overhead on ``nn.Adam``).
+    buffer per batch and step may fault its pages in again on first touch, a cost no
+    device has.
     """
 
     name = "loopback"

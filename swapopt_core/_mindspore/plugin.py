@@ -16,6 +16,7 @@ from swapopt_core._mindspore.families import (
     NnAdamAdapter,
     NnAdamWeightDecayAdapter,
 )
+from swapopt_core._mindspore.loopback_async import MindSporeLoopbackAsyncRuntime
 from swapopt_core._mindspore.runtime import MindSporeAscendRuntime, MindSporeLoopbackRuntime
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core.hookspecs import hookimpl
@@ -23,7 +24,7 @@ from swapopt_core.hookspecs import hookimpl
 
 @hookimpl
 def swapopt_register_runtimes() -> Iterable[type[TransferRuntime]]:
-    return [MindSporeLoopbackRuntime, MindSporeAscendRuntime]
+    return [MindSporeLoopbackRuntime, MindSporeLoopbackAsyncRuntime, MindSporeAscendRuntime]
 
 
 @hookimpl

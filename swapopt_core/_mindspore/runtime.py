@@ -9,6 +9,7 @@ freed exactly when the last view of it is dropped.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -20,7 +21,13 @@ from swapopt_core._runtime import TransferRuntime
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["MindSporeAscendRuntime", "MindSporeLoopbackRuntime", "MindSporeRuntime"]
+__all__ = [
+    "MindSporeAscendRuntime",
+    "MindSporeLoopbackRuntime",
+    "MindSporeRuntime",
+    "drain_compute",
+    "numpy_dtype",
+]
 
 _warned_unverified = False
 
@@ -62,13 +69,22 @@ class MindSporeRuntime(TransferRuntime):
 class MindSporeLoopbackRuntime(MindSporeRuntime):
     """CPU tensors play the device, separate CPU buffers the host.
 
-    Every copy is a real ``Tensor.copy_`` queued in MindSpore's executor, and every staged
-    buffer is a fresh allocation that is freed when its batch leaves, so the whole engine
-    runs on CPU. Never picked by ``runtime="auto"``.
+    Every copy is a real memcpy and every staged buffer is handed out and given back, so
+    the whole engine runs on CPU. Never picked by ``runtime="auto"``.
+
+    Released "device" buffers go back to a pool that the next request of the same byte
+    size takes, as a device's caching allocator keeps freed blocks: a fresh multi-megabyte
+    buffer per batch and step may fault its pages in again on first touch, a cost no
+    device has.
     """
 
     name = "loopback"
     device_types = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pool: dict[int, list[np.ndarray]] = {}  # free raw byte buffers by size
+        self._pool_lock = threading.Lock()  # the asynchronous loopback recycles on its lanes
 
     def accepts(self, device: Any) -> bool:
         return str(device).upper().startswith("CPU")
@@ -79,7 +95,8 @@ class MindSporeLoopbackRuntime(MindSporeRuntime):
     def copy_in(self, pairs: Sequence[tuple[Any, Any]], after: Sequence[Any] = ()) -> Any:
         import numpy
 
-        self.synchronize()  # the packed layout may still be writing the host buffer
+        # The packed layout's queued copies may still be writing the host buffer.
+        drain_compute()
         for device_tensor, host_tensor in pairs:
             numpy.copyto(device_tensor.asnumpy(), host_tensor.asnumpy())
         return None
@@ -87,7 +104,8 @@ class MindSporeLoopbackRuntime(MindSporeRuntime):
     def copy_out(self, pairs: Sequence[tuple[Any, Any]]) -> Any:
         import numpy
 
-        self.synchronize()  # the batch's update kernels must have written the device views
+        # The batch's queued update kernels must have written the device views.
+        drain_compute()
         for device_tensor, host_tensor in pairs:
             numpy.copyto(host_tensor.asnumpy(), device_tensor.asnumpy())
         return None
@@ -98,16 +116,31 @@ class MindSporeLoopbackRuntime(MindSporeRuntime):
         return host
 
     def alloc_device(self, numel: int, dtype: Any, device: Any) -> Any:
-        return _empty(numel, dtype)
+        kind = numpy_dtype(dtype)
+        with self._pool_lock:
+            free = self._pool.get(numel * kind.itemsize)
+            raw = free.pop() if free else None
+        if raw is None:
+            return _empty(numel, dtype)
+        return raw.view(kind)
+
+    def release_device(self, tensor: Any, after: Sequence[Any] = ()) -> None:
+        """Keep ``tensor``'s memory for the next request of its size (the copies are done)."""
+        self._recycle(tensor)
+
+    def _recycle(self, buffer: np.ndarray) -> None:
+        """Put ``buffer`` (a 1-D array from ``alloc_device``) back in the pool."""
+        raw = buffer.view("uint8")
+        if raw.nbytes:
+            with self._pool_lock:
+                self._pool.setdefault(raw.nbytes, []).append(raw)
 
     def wait(self, ticket: Any) -> None:
         return None  # the copies are done when copy_in returns
 
     def synchronize(self) -> None:
-        from mindspore.common.api import _pynative_executor
-
         # The host buffers are read through numpy (checkpoints, stats), outside the queue.
-        _pynative_executor.sync()
+        drain_compute()
 
 
 class MindSporeAscendRuntime(MindSporeRuntime):
@@ -227,6 +260,14 @@ class MindSporeAscendRuntime(MindSporeRuntime):
         # The host copies are the optimizer's public state: final when the step returns.
         self.stream.synchronize()
         self._held.clear()  # every copy has finished reading its buffer
+
+
+def drain_compute() -> None:
+    """Block until MindSpore's queue has run every op queued so far (PyNative runs them on a
+    worker thread); nearly free when it is empty."""
+    from mindspore.graph.api import _pynative_executor
+
+    _pynative_executor.sync()
 
 
 def _empty(numel: int, dtype: Any) -> np.ndarray:

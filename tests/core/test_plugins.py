@@ -116,6 +116,7 @@ def test_builtins_are_registered_as_plugins(plugin_manager: pluggy.PluginManager
     assert sorted(runtimes) == [
         ("mindspore", "ascend"),
         ("mindspore", "loopback"),
+        ("mindspore", "loopback-async"),
         ("torch", "cuda"),
         ("torch", "loopback"),
         ("torch", "loopback-async"),

@@ -5,7 +5,8 @@ call one step makes to each entry point of the engine's real loopback runtime in
 and before and after the adapter's batch update (``update_batch``, one compiled graph per
 batch); then the state is complete (a), the stats true (e), the step repeated with the same
 gradients equals one plain step (b), training goes on exactly (c) and ``unswap_optimizer``
-leaves a plain optimizer that stays exact (d).
+leaves a plain optimizer that stays exact (d). The fast row of the matrix runs on
+``loopback-async`` with jitter too, where the copies run on worker threads.
 """
 
 from __future__ import annotations
@@ -47,14 +48,20 @@ FAMILIES = {
 }
 
 
+#: MindSpore hands each launch to a worker thread (milliseconds): see test_mindspore.py.
+ASYNC_JITTER_US = "2000"
+
+
 class Injected(Exception):
     pass
 
 
 @pytest.fixture(autouse=True)
-def _pynative_cpu():
+def _pynative_cpu(monkeypatch):
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
+    # Read by loopback-async when a swap builds it; the synchronous loopback ignores it.
+    monkeypatch.setenv("SWAPOPT_LOOPBACK_JITTER_US", ASYNC_JITTER_US)
 
 
 def _params() -> list[Parameter]:
@@ -70,10 +77,12 @@ def _grads(step: int) -> tuple[Tensor, ...]:
     return tuple(Tensor(rng.standard_normal(s).astype(np.float32)) for s in SHAPES)
 
 
-def _swapped(family: str, packed: bool) -> tuple[list[Parameter], object]:
+def _swapped(
+    family: str, packed: bool, runtime: str = "loopback"
+) -> tuple[list[Parameter], object]:
     params = _params()
     opt = FAMILIES[family](params)
-    config = SwapOptimizerConfig(runtime="loopback", min_numel=0, swap_times=3, packed_swap=packed)
+    config = SwapOptimizerConfig(runtime=runtime, min_numel=0, swap_times=3, packed_swap=packed)
     swap_optimizer(opt, config)
     return params, opt
 
@@ -86,9 +95,9 @@ def _target(opt: object, point: str) -> tuple[object, str]:
 
 
 @functools.cache
-def _calls(family: str, packed: bool, point: str) -> int:
+def _calls(family: str, packed: bool, point: str, runtime: str) -> int:
     """How often the second clean step reaches ``point``."""
-    _, opt = _swapped(family, packed)
+    _, opt = _swapped(family, packed, runtime)
     opt(_grads(0))
     obj, name = _target(opt, point)
     original, counter = getattr(obj, name), [0]
@@ -130,14 +139,16 @@ def _assert_same(ref_params, params, ref, opt) -> None:  # noqa: ANN001
         assert np.array_equal(value, actual[name]), name
 
 
-def run_case(family: str, packed: bool, point: str, which: str, error: type) -> None:
-    calls = _calls(family, packed, point)
+def run_case(
+    family: str, packed: bool, point: str, which: str, error: type, runtime: str = "loopback"
+) -> None:
+    calls = _calls(family, packed, point, runtime)
     if calls == 0:
         pytest.skip(f"a step makes no {point} call in this configuration")
     at = {"first": 1, "middle": (calls + 1) // 2, "last": calls}[which]
     ref_params = _params()
     ref = FAMILIES[family](ref_params)
-    params, opt = _swapped(family, packed)
+    params, opt = _swapped(family, packed, runtime)
     ref(_grads(0))
     opt(_grads(0))
     ref(_grads(1))
@@ -183,6 +194,12 @@ CASES = [
 @pytest.mark.parametrize(("family", "mode", "point", "which", "error"), CASES)
 def test_fault(family: str, mode: str, point: str, which: str, error: str) -> None:
     run_case(family, mode == "packed", point, which, ERRORS[error])
+
+
+@pytest.mark.parametrize("error", sorted(ERRORS))
+@pytest.mark.parametrize("point", POINTS)
+def test_fault_on_loopback_async(point: str, error: str) -> None:
+    run_case("adam", True, point, "middle", ERRORS[error], runtime="loopback-async")
 
 
 def test_a_copy_out_that_keeps_failing_keeps_the_batch_until_it_can_be_written() -> None:

@@ -1,7 +1,9 @@
 """The MindSpore backend on CPU: bit-exact swapped updates, checkpoints, errors, stats.
 
 Every test runs real MindSpore kernels in PyNative mode on the loopback runtime, which
-really allocates and frees the staged buffers and copies every byte.
+really allocates and frees the staged buffers and copies every byte; the equivalence,
+checkpoint and transaction tests run on ``loopback-async`` with jitter too, where every
+copy runs on a worker thread and a missing wait shows up as wrong bits.
 """
 
 from __future__ import annotations
@@ -32,12 +34,19 @@ pytestmark = pytest.mark.mindspore
 
 SHAPES = [(64, 32), (32,), (96, 48), (3,), (40, 40), (16, 64)]
 STEPS = 10
+#: Jitter (microseconds) of ``loopback-async`` here. MindSpore hands each launch to its
+#: worker thread, which takes milliseconds, so the 300 us of the torch suites never let a
+#: copy land after an update that forgot to wait for it; 2 ms does.
+ASYNC_JITTER_US = "2000"
+RUNTIMES = ["loopback", "loopback-async"]
 
 
 @pytest.fixture(autouse=True)
-def _pynative_cpu():
+def _pynative_cpu(monkeypatch):
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
+    # Read by loopback-async when a swap builds it; the synchronous loopback ignores it.
+    monkeypatch.setenv("SWAPOPT_LOOPBACK_JITTER_US", ASYNC_JITTER_US)
     yield
     ms.set_context(mode=ms.PYNATIVE_MODE)
 
@@ -114,14 +123,27 @@ def config(**kwargs) -> SwapOptimizerConfig:
     return SwapOptimizerConfig(**kwargs)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+#: Every family at every ``swap_times`` on the loopback; on ``loopback-async`` the three
+#: families (and amsgrad's third state) at 3, the pipeline's three batches in flight: each
+#: case compiles its own batch graphs, which is most of the suite's time.
+ASYNC_FAMILIES = ("adam", "adam-amsgrad-groups", "adamwd", "mindformers-adamw")
+EQUIVALENCE = [
+    pytest.param(family, runtime, swap_times, id=f"{runtime}-{swap_times}-{family}")
+    for runtime in RUNTIMES
+    for swap_times in ([1, 3, 16] if runtime == "loopback" else [3])
+    for family in sorted(FAMILIES)
+    if runtime == "loopback" or family in ASYNC_FAMILIES
+]
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
-@pytest.mark.parametrize("swap_times", [1, 3, 16])
-def test_swapped_updates_equal_the_plain_optimizer(family, packed, swap_times):
+@pytest.mark.parametrize(("family", "runtime", "swap_times"), EQUIVALENCE)
+def test_swapped_updates_equal_the_plain_optimizer(family, packed, runtime, swap_times):
     make = FAMILIES[family]
     ref_params, params = make_params(), make_params()
     ref, opt = make(ref_params), make(params)
-    assert swap_optimizer(opt, config(swap_times=swap_times, packed_swap=packed)) is opt
+    cfg = config(runtime=runtime, swap_times=swap_times, packed_swap=packed)
+    assert swap_optimizer(opt, cfg) is opt
     for step in range(STEPS):
         grads = grads_for(step, params)
         ref(grads)
@@ -167,7 +189,8 @@ def test_state_lives_in_host_memory_between_steps():
     assert stats.pinned_host_bytes == stats.total_state_bytes
 
 
-def test_peak_follows_swap_times_for_equal_layers():
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_peak_follows_swap_times_for_equal_layers(runtime):
     rng = np.random.default_rng(3)
     params = [
         Parameter(Tensor(rng.standard_normal((32, 32)).astype(np.float32)), name=f"w{i}")
@@ -175,7 +198,7 @@ def test_peak_follows_swap_times_for_equal_layers():
     ]
     for packed in (False, True):
         opt = nn.Adam(params, learning_rate=1e-3)
-        swap_optimizer(opt, config(swap_times=8, packed_swap=packed))
+        swap_optimizer(opt, config(runtime=runtime, swap_times=8, packed_swap=packed))
         opt(tuple(Tensor(np.ones((32, 32), np.float32)) for _ in params))
         stats = swap_stats(opt)
         # Three of eight batches: one coming in, one updating, one going out.
@@ -183,13 +206,14 @@ def test_peak_follows_swap_times_for_equal_layers():
         unswap_optimizer(opt)
 
 
+@pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
 @pytest.mark.parametrize("family", ["adam", "adamwd", "mindformers-adamw"])
-def test_checkpoint_mid_run_resumes_exactly(tmp_path, family, packed):
+def test_checkpoint_mid_run_resumes_exactly(tmp_path, family, packed, runtime):
     make = FAMILIES[family]
     ref_params, params = make_params(), make_params()
     ref, opt = make(ref_params), make(params)
-    swap_optimizer(opt, config(swap_times=3, packed_swap=packed))
+    swap_optimizer(opt, config(runtime=runtime, swap_times=3, packed_swap=packed))
     for step in range(5):
         ref(grads_for(step, params))
         opt(grads_for(step, params))
@@ -199,7 +223,7 @@ def test_checkpoint_mid_run_resumes_exactly(tmp_path, family, packed):
     # A fresh swapped optimizer (and model) restored from the checkpoint.
     resumed_params = make_params(seed=7)
     resumed = make(resumed_params)
-    swap_optimizer(resumed, config(swap_times=3, packed_swap=packed))
+    swap_optimizer(resumed, config(runtime=runtime, swap_times=3, packed_swap=packed))
     ms.load_param_into_net(resumed, ms.load_checkpoint(path))
     assert offload_optimizer_state(resumed) == swap_stats(resumed).swapped_tensors
     engine = resumed._swapopt_engine
@@ -236,12 +260,13 @@ def test_a_load_without_offload_is_taken_back_at_the_next_step(tmp_path):
     assert all(s.state.data_ptr() == s.host.data_ptr() for s in opt._swapopt_engine.slots.values())
 
 
+@pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
-def test_an_interrupted_step_finishes_exactly_when_repeated(packed):
+def test_an_interrupted_step_finishes_exactly_when_repeated(packed, runtime):
     ref_params, params = make_params(), make_params()
     ref = nn.Adam(ref_params, learning_rate=1e-2)
     opt = nn.Adam(params, learning_rate=1e-2)
-    swap_optimizer(opt, config(swap_times=4, packed_swap=packed))
+    swap_optimizer(opt, config(runtime=runtime, swap_times=4, packed_swap=packed))
     runtime = opt._swapopt_engine.runtime
     original = runtime.copy_in
     calls = {"n": 0}
@@ -333,12 +358,17 @@ class MixedPrecisionAdamW:
         return _MixedPrecision(params, learning_rate=1e-2, weight_decay=0.01)
 
 
-@pytest.mark.parametrize("masters", [True, False], ids=["masters-swapped", "masters-resident"])
+@pytest.mark.parametrize(
+    ("masters", "runtime"),
+    [(True, "loopback"), (False, "loopback"), (True, "loopback-async")],
+    ids=["masters-swapped", "masters-resident", "masters-swapped-async"],
+)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
-def test_fp32_masters_are_swapped_on_request(masters, packed):
+def test_fp32_masters_are_swapped_on_request(masters, runtime, packed):
     ref_params, params = make_params(dtype=np.float16), make_params(dtype=np.float16)
     ref, opt = MixedPrecisionAdamW.build(ref_params), MixedPrecisionAdamW.build(params)
-    swap_optimizer(opt, config(swap_times=3, include_master_params=masters, packed_swap=packed))
+    cfg = config(runtime=runtime, swap_times=3, include_master_params=masters, packed_swap=packed)
+    swap_optimizer(opt, cfg)
     keys = {s.key for s in opt._swapopt_engine.slots.values()}
     assert ("master_param" in keys) is masters
     for step in range(STEPS):
@@ -378,7 +408,8 @@ def test_unsupported_flags_and_families_are_refused(build, match):
 def test_unknown_state_key_and_runtime_name_the_choices():
     with pytest.raises(ValueError, match=r"state_keys.*\['exp_avg', 'exp_avg_sq'\]"):
         swap_optimizer(nn.AdamWeightDecay(make_params()), config(state_keys=("momentum",)))
-    with pytest.raises(ValueError, match=r"runtime='cuda'.*\['ascend', 'auto', 'loopback'\]"):
+    choices = r"\['ascend', 'auto', 'loopback', 'loopback-async'\]"
+    with pytest.raises(ValueError, match=rf"runtime='cuda'.*{choices}"):
         swap_optimizer(nn.Adam(make_params()), config(runtime="cuda"))
 
 
@@ -440,9 +471,10 @@ def _train(swap: SwapOptimizerConfig | None, steps: int = 6) -> tuple[list[np.nd
     return [p.asnumpy() for p in net.trainable_params()], opt
 
 
-def test_train_one_step_cell_drives_the_swapped_optimizer():
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_train_one_step_cell_drives_the_swapped_optimizer(runtime):
     plain, _ = _train(None)
-    swapped, opt = _train(config(swap_times=2))
+    swapped, opt = _train(config(runtime=runtime, swap_times=2))
     assert all(np.array_equal(a, b) for a, b in zip(plain, swapped, strict=True))
     assert swap_stats(opt).steps == 6
 

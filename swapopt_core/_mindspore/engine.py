@@ -148,7 +148,8 @@ class MindSporeSwapEngine(EngineBase):
                 ordered.append(slot)
         for stale in self.slots.keys() - live:
             del self.slots[stale]
-        self.lay_out(sorted(ordered, key=lambda s: (s.index, s.key)))
+        ordered.sort(key=lambda slot: (slot.index, slot.key))
+        self.lay_out(ordered)
         return moved
 
     def _adopt(self, key: str, index: int, state: Any, device: str, old: Slot | None) -> Slot:

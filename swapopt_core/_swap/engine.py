@@ -59,10 +59,14 @@ class StepUnit(Protocol):
 class StepWork(Protocol):
     """One call of the step, as the backend prepared it (``EngineBase.open_step``)."""
 
-    #: Which call a retry must repeat to resume an interrupted step (MindSpore: the
-    #: gradients' ids; torch: ``None``, its units carry their gradients in ``token``).
-    identity: Hashable
-    units: Sequence[StepUnit]
+    @property
+    def identity(self) -> Hashable:
+        """Which call a retry must repeat to resume an interrupted step (MindSpore: the
+        gradients' ids; torch: ``None``, its units carry their gradients in ``token``)."""
+
+    @property
+    def units(self) -> Sequence[StepUnit]:
+        """The units the call updates, in order."""
 
     def prepare(self) -> Any:
         """The once-per-step values of a fresh step (run once, also if the step is resumed)."""

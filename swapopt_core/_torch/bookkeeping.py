@@ -227,8 +227,8 @@ class StateBook:
         if stale:
             # Their host memory is freed below: no copy of the last step may still use it.
             self.runtime.synchronize()
-        for key in stale:
-            del self.slots[key]
+        for gone in stale:
+            del self.slots[gone]
         return units, ordered
 
     def _init_state(

@@ -22,7 +22,7 @@ __all__ = ["CheckpointHooks"]
 class CheckpointHooks:
     """The checkpoint hooks one ``SwapEngine`` registers on its optimizer.
 
-    They ask the engine (``quiesce``, ``release_host_state``, ``swapped_keys``,
+    They ask the engine (``quiesce``, ``before_host_rewrite``, ``swapped_keys``,
     ``swappable``, ``load_swapped``) and keep nothing of it but the loaded entries in between.
     """
 
@@ -78,7 +78,7 @@ class CheckpointHooks:
         # The loaded values replace the host tensors: a prefetch of the old values is
         # given back, a kept batch must not land on top of them later, and no copy may
         # still be writing them.
-        engine.release_host_state()
+        engine.before_host_rewrite()
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         stripped = dict(saved_state)

@@ -99,7 +99,7 @@ class SwapEngine(EngineBase):
         self._unsilence = self.adapter.silence(opt)
         step_post = opt.register_step_post_hook(self._post_step)
         # Before post-hooks the user registered earlier: they expect an updated model.
-        opt._optimizer_step_post_hooks.move_to_end(step_post.id, last=False)
+        opt._optimizer_step_post_hooks.move_to_end(step_post.id, last=False)  # type: ignore[attr-defined]
         self._handles = [step_post, *self.checkpoint.attach()]
         self.prefetch.watch(self._params())
         setattr(opt, ENGINE_ATTR, self)
@@ -138,12 +138,12 @@ class SwapEngine(EngineBase):
 
     def offload(self) -> int:
         """Take swappable entries that are not our host tensors into host memory now."""
-        self.release_host_state()  # the layout may change below
+        self.before_host_rewrite()  # the layout may change below
         moved = self.book.unswapped()
         self._sync()
         return moved
 
-    def release_host_state(self) -> None:
+    def before_host_rewrite(self) -> None:
         """Host state is about to be replaced: give back a prefetch that read it, write back
         kept batches and wait for every copy into it."""
         self.prefetch.drop()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swapopt_core._mindspore.runtime import MindSporeRuntime
+from swapopt_core._runtime import TransferRuntime
 from swapopt_core._swap.ops import Saved
 
 __all__ = ["MindSporeTensorOps", "Slot"]
@@ -70,12 +71,13 @@ class MindSporeTensorOps:
     on CPU) and put back with ``assign``.
     """
 
-    # MindSpore's runtimes raise copy errors where the copy is queued or waited for.
-    failures_reported = False
-
     def __init__(self, runtime: MindSporeRuntime) -> None:
         self.runtime = runtime
         self.views_at_offset = runtime.views_at_offset
+        # A runtime that reports copies failing where they ran overrides ``failure``; the
+        # others raise copy errors where the copy is queued or waited for, so a batch that
+        # left can drop its views at once (the device memory is freed with the last one).
+        self.failures_reported = type(runtime).failure is not TransferRuntime.failure
 
     def view(self, buffer: Any, offset: int, numel: int, shape: tuple[int, ...]) -> Any:
         return self.runtime.view(buffer, offset, numel, shape)

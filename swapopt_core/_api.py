@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
-from swapopt_core._engine_base import EngineBase, engine_of
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._launch import note_swapped
 from swapopt_core._plugins import (
@@ -26,6 +25,7 @@ from swapopt_core._plugins import (
 )
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core._stats import SwapStats
+from swapopt_core._swap.engine import EngineBase, engine_of
 
 logger = logging.getLogger(__name__)
 

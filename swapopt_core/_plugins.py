@@ -151,17 +151,32 @@ def state_key_names(
 def optimizer_adapters(manager: pluggy.PluginManager, framework: str = "torch") -> list[Any]:
     """Adapters of ``framework`` in the order they are asked: later-registered plugins first.
 
-    An adapter is any object with a ``framework``, a ``family`` and a ``matches(optimizer)``
-    method: ``OptimizerAdapter`` for torch, ``MindSporeAdapter`` for MindSpore.
+    Every adapter meets ``SwapAdapter`` (a ``framework``, a ``family``, its
+    ``state_key_names`` and ``matches(optimizer)``), and the protocol of its framework where
+    swapopt has an engine for it: ``TorchAdapterProtocol`` (``OptimizerAdapter`` implements
+    it), ``MindSporeAdapterProtocol`` (``MindSporeAdapter``).
     """
+    # Imported here: the adapter protocols live with their backends, above this module.
+    from swapopt_core._mindspore.adapter import MindSporeAdapterProtocol
+    from swapopt_core._swap.adapter import SwapAdapter, missing_members
+    from swapopt_core._torch.adapter import TorchAdapterProtocol
+
+    protocols: dict[str, type] = {
+        "torch": TorchAdapterProtocol,
+        "mindspore": MindSporeAdapterProtocol,
+    }
     adapters: list[Any] = []
     for batch in manager.hook.swapopt_register_optimizer_adapters():
         for adapter in batch:
-            if isinstance(adapter, type) or not all(
-                hasattr(adapter, name) for name in ("framework", "family", "matches")
-            ):
+            protocol = protocols.get(str(getattr(adapter, "framework", "")), SwapAdapter)
+            if isinstance(adapter, type) or not isinstance(adapter, protocol):
+                missing = (
+                    "a class, not an instance"
+                    if isinstance(adapter, type)
+                    else ("it lacks " + ", ".join(missing_members(adapter, protocol)))
+                )
                 raise SwapOptError(
-                    f"A plugin registered {adapter!r} as an optimizer adapter; "
+                    f"A plugin registered {adapter!r} as an optimizer adapter ({missing}); "
                     "swapopt_register_optimizer_adapters must return OptimizerAdapter (or, for "
                     "MindSpore, MindSporeAdapter) instances."
                 )

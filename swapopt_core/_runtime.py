@@ -19,7 +19,7 @@ class TransferRuntime(ABC):
     """Moves optimizer state between host memory and one kind of device.
 
     The model is a device with a compute queue and one copy queue per direction (see
-    ``swapopt_core._pipeline`` for the order the engine uses). Copies return tickets (a
+    ``swapopt_core._swap.pipeline`` for the order the engine uses). Copies return tickets (a
     recorded event): the compute queue waits on a ticket before it touches what the copy
     wrote (``wait``), the host before it reads or rewrites host memory (``host_wait``), a
     copy queue before it writes memory another copy still uses (``copy_in(after=...)``),

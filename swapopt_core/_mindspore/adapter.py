@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from swapopt_core._errors import SwapOptError
+from swapopt_core._swap.adapter import SwapAdapter
 
-__all__ = ["GraphCache", "MindSporeAdapter", "qualified_names"]
+__all__ = ["GraphCache", "MindSporeAdapter", "MindSporeAdapterProtocol", "qualified_names"]
 
 #: One parameter's work in a batch: its index and its states by key (see ``update``).
 Work = tuple[int, Mapping[str, Any]]
@@ -138,3 +139,18 @@ class MindSporeAdapter(ABC):
     def per_parameter(values: Any, grouped: bool, index: int) -> Any:
         """``values[index]`` for per-group values (learning rate, weight decay), else ``values``."""
         return values[index] if grouped else values
+
+
+@runtime_checkable
+class MindSporeAdapterProtocol(SwapAdapter, Protocol):
+    """What the MindSpore engine asks of an adapter; ``MindSporeAdapter`` implements it."""
+
+    def validate(self, optimizer: Any) -> None: ...
+    def state(self, optimizer: Any) -> dict[str, Sequence[Any]]: ...
+    def masters(self, optimizer: Any) -> Sequence[Any] | None: ...
+    def keeps_masters(self, optimizer: Any) -> bool: ...
+    def prepare(self, optimizer: Any, gradients: tuple[Any, ...]) -> Any: ...
+    def steps(self, optimizer: Any, index: int) -> bool: ...
+    def update_batch(
+        self, optimizer: Any, prepared: Any, work: Sequence[Work], graphs: GraphCache
+    ) -> list[Any]: ...

@@ -1,30 +1,30 @@
 """The swap engine installed on one MindSpore optimizer Cell.
 
 The Cell keeps its identity: an instance attribute shadows ``construct``, so ``opt(grads)``
-(PyNative) runs the family's preamble once and then its per-parameter update as the
-pipeline of ``swapopt_core._pipeline``. Between steps every swapped state Parameter's data
-is a CPU tensor, so MindSpore's own ``save_checkpoint`` writes host copies and nothing is
-resident on the device.
+(PyNative) runs the family's preamble once and then its per-parameter update through the
+neutral step transaction (``swapopt_core._swap.engine``) over a ``MindSporeStep``. Between
+steps every swapped state Parameter's data is a CPU tensor, so MindSpore's own
+``save_checkpoint`` writes host copies and nothing is resident on the device.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
-from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
 from swapopt_core._errors import SwapOptError
 from swapopt_core._mindspore import is_mindspore_optimizer
 from swapopt_core._mindspore.adapter import GraphCache, MindSporeAdapter
 from swapopt_core._mindspore.runtime import MindSporeRuntime
-from swapopt_core._mindspore.staging import PackedStaging, PerTensorStaging, Slot
-from swapopt_core._mindspore.undo import UndoArena
-from swapopt_core._partition import partition
-from swapopt_core._pipeline import deferred_interrupt, run_pipeline
+from swapopt_core._mindspore.state import MindSporeTensorOps, Slot
+from swapopt_core._runtime import TransferRuntime
+from swapopt_core._swap.engine import ENGINE_ATTR, EngineBase
+from swapopt_core._swap.ops import Target
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +32,29 @@ MASTER_KEY = "master_param"
 _FLOATS = ("Float16", "Float32", "Float64", "BFloat16")
 
 
+@dataclass(eq=False)
+class Unit:
+    """One parameter taking part in a step (its index in ``_parameters``), with its slots."""
+
+    index: int
+    slots: list[Slot]
+    token = ()  # a retry resumes only the same call (``MindSporeStep.identity``)
+
+    @property
+    def key(self) -> int:
+        return self.index
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.nbytes for slot in self.slots)
+
+
 class MindSporeSwapEngine(EngineBase):
     """Keeps a MindSpore optimizer's swappable state in host memory; pipelines its update."""
 
     framework = "mindspore"
-    packed_staging = PackedStaging
-    per_tensor_staging = PerTensorStaging
     adapter: MindSporeAdapter
     runtime: MindSporeRuntime
-    staging: PackedStaging | PerTensorStaging
-    slots: dict[tuple[str, int], Slot]
 
     def __init__(
         self,
@@ -51,11 +64,19 @@ class MindSporeSwapEngine(EngineBase):
         runtime: MindSporeRuntime,
         plugin_manager: pluggy.PluginManager,
     ) -> None:
+        self._slots: dict[tuple[str, int], Slot] = {}
         super().__init__(optimizer, config, adapter, runtime, plugin_manager)
-        # An interrupted step: (gradient ids, preamble values, indices already updated).
-        self._interrupted: tuple[tuple[int, ...], Any, set[int]] | None = None
         #: The compiled batch updates of this optimizer (see ``adapter.update_batch``).
         self.graphs = GraphCache()
+
+    @staticmethod
+    def tensor_ops(runtime: TransferRuntime) -> MindSporeTensorOps:
+        assert isinstance(runtime, MindSporeRuntime)
+        return MindSporeTensorOps(runtime)
+
+    @property
+    def slots(self) -> dict[tuple[str, int], Slot]:
+        return self._slots
 
     # ---- install / uninstall -------------------------------------------------------------
 
@@ -127,8 +148,8 @@ class MindSporeSwapEngine(EngineBase):
                 ordered.append(slot)
         for stale in self.slots.keys() - live:
             del self.slots[stale]
-        if isinstance(self.staging, PackedStaging):
-            self.staging.layout(sorted(ordered, key=lambda s: (s.index, s.key)), self._publish)
+        ordered.sort(key=lambda slot: (slot.index, slot.key))
+        self.lay_out(ordered)
         return moved
 
     def _adopt(self, key: str, index: int, state: Any, device: str, old: Slot | None) -> Slot:
@@ -138,7 +159,7 @@ class MindSporeSwapEngine(EngineBase):
         if old is not None and old.state is state and (old.offset >= 0 or not self.staging.packed):
             # Something (a checkpoint load) replaced the data: new values, same host place.
             old.host.copy_(state.data)
-            self._publish(old)
+            self.publish(old)
             return old
         if self.staging.packed:
             # The layout copies the values into the packed buffer; the data stands in until then.
@@ -148,12 +169,11 @@ class MindSporeSwapEngine(EngineBase):
             host = self.runtime.view(self.runtime.alloc_host(numel, state.dtype), 0, numel, shape)
             host.copy_(state.data)
             slot = Slot(key, index, state, host, device)
-            self._publish(slot)
+            self.publish(slot)
         self.slots[(key, index)] = slot
         return slot
 
-    @staticmethod
-    def _publish(slot: Slot) -> None:
+    def publish(self, slot: Slot) -> None:
         slot.state.set_data(slot.host)
 
     # ---- the step ------------------------------------------------------------------------
@@ -165,10 +185,6 @@ class MindSporeSwapEngine(EngineBase):
         state is in host memory (or kept on the device until the next call); calling again
         with the same gradients finishes the step.
         """
-        with deferred_interrupt():
-            return self._construct(*args, **kwargs)
-
-    def _construct(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         opt = self.optimizer
         if kwargs or len(args) != 1:
             raise TypeError(
@@ -181,96 +197,34 @@ class MindSporeSwapEngine(EngineBase):
                 f"{self.adapter.family} has {len(opt._parameters)} parameters but got "
                 f"{len(gradients)} gradients. Pass one gradient per parameter, in order."
             )
+        results: list[Any] = [True] * len(gradients)
+        self.run_step((gradients, results))
+        return tuple(results)
+
+    def open_step(self, call: Any) -> MindSporeStep:
+        gradients, results = call
+        opt = self.optimizer
         self._check_mode()
         self.adapter.validate(opt)
         self.offload()
-        identity = tuple(id(g) for g in gradients)
-        resumed = self._interrupted is not None and self._interrupted[0] == identity
-        if resumed:
-            _, prepared, done = self._interrupted
-        else:
-            prepared, done = self.adapter.prepare(opt, gradients), set()
-        # From here on a retry with the same gradients must not run the preamble again.
-        self._interrupted = (identity, prepared, done)
-        results: list[Any] = [True] * len(gradients)
-        units = [i for i in range(len(gradients)) if i not in done and self.adapter.steps(opt, i)]
         by_index: dict[int, list[Slot]] = {}
         for slot in self.slots.values():
             by_index.setdefault(slot.index, []).append(slot)
-        runs = partition(
-            [sum(s.nbytes for s in by_index.get(i, ())) for i in units], self.config.swap_times
-        )
-        batches = [[units[k] for k in run] for run in runs]
-        resident = self._resident_states()
-        devices = [str(p.device) for p in opt._parameters]  # waits once, before the step
-        arena = UndoArena(
-            self.runtime, [self._changed(batch, by_index, resident, devices) for batch in batches]
-        )
+        units = [
+            Unit(i, by_index.get(i, []))
+            for i in range(len(gradients))
+            if self.adapter.steps(opt, i)
+        ]
+        return MindSporeStep(self, gradients, results, units)
 
-        def update(b: int, views: dict[Slot, Any]) -> None:
-            work = []
-            for index in batches[b]:
-                states = {key: values[index] for key, values in resident.items()}
-                for slot in by_index.get(index, ()):
-                    states[slot.key] = views[slot]
-                work.append((index, states))
-            saved = arena.save(self._changed(batches[b], by_index, resident, devices))
-            try:
-                out = self.adapter.update_batch(opt, prepared, work, self.graphs)
-            except BaseException:
-                arena.restore(saved)
-                raise
-            for index, result in zip(batches[b], out, strict=True):
-                results[index] = result
-            done.update(batches[b])
-
-        try:
-            h2d, d2h = run_pipeline(
-                [[s for i in batch for s in by_index.get(i, ())] for batch in batches],
-                self.staging,
-                self.runtime,
-                update,
-                self.kept,
-            )
-            # MindSpore saves checkpoints straight from the host Parameters, with no hook
-            # to wait in: the host copies must be final when the step returns.
-            self.runtime.synchronize()
-        except BaseException:
-            self._interrupted = (identity, prepared, done)
-            raise
-        finally:
-            arena.release()
+    def step_queued(self, plan: list[list[Any]], resumed: bool) -> None:
+        # MindSpore saves checkpoints straight from the host Parameters, with no hook
+        # to wait in: the host copies must be final when the step returns.
+        self.wait_copies()
         if not resumed:
             self.graphs.prune()
-        # Until the observers have seen the step, a call with the same gradients only
-        # tells them again.
-        self._interrupted = (identity, prepared, done)
-        self.finish_step(h2d, d2h, len(batches), resumed=resumed)
-        self._interrupted = None
-        return tuple(results)
 
-    def _changed(
-        self,
-        batch: Sequence[int],
-        by_index: dict[int, list[Slot]],
-        resident: dict[str, Any],
-        devices: Sequence[str],
-    ) -> list[tuple[Any, str]]:
-        """What the update of ``batch`` changes in place, with its device: the parameters
-        and the state that is not swapped (the swapped state's host copy is only
-        overwritten once the update succeeded)."""
-        targets = []
-        for index in batch:
-            swapped = {slot.key for slot in by_index.get(index, ())}
-            targets.append((self.optimizer._parameters[index], devices[index]))
-            targets += [
-                (values[index], devices[index])
-                for key, values in resident.items()
-                if key not in swapped and values[index] is not None
-            ]
-        return targets
-
-    def _resident_states(self) -> dict[str, Sequence[Any]]:
+    def resident_states(self) -> dict[str, Sequence[Any]]:
         """Every state the update reads, by key: the optimizer's own Parameters."""
         states = dict(self.adapter.state(self.optimizer))
         masters = self.adapter.masters(self.optimizer)
@@ -288,3 +242,62 @@ class MindSporeSwapEngine(EngineBase):
                 "GRAPH_MODE. Call mindspore.set_context(mode=mindspore.PYNATIVE_MODE), or use "
                 "MindFormers' own `optimizer: {type: AdamW, swap: True}` for graph mode."
             )
+
+
+class MindSporeStep:
+    """One call of a MindSpore step: the preamble, and a batch's update with compiled graphs.
+
+    Args:
+        engine: Its optimizer, adapter and compiled graphs.
+        gradients: The gradients of the call, one per parameter.
+        results: Receives what the family returns per parameter.
+        units: The parameters the step updates.
+    """
+
+    def __init__(
+        self,
+        engine: MindSporeSwapEngine,
+        gradients: tuple[Any, ...],
+        results: list[Any],
+        units: list[Unit],
+    ) -> None:
+        self.optimizer = engine.optimizer
+        self.adapter = engine.adapter
+        self.graphs = engine.graphs
+        self.gradients = gradients
+        self.results = results
+        self.units = units
+        #: A retry with the same gradients resumes the step, without its preamble again.
+        self.identity = tuple(id(g) for g in gradients)
+        self.resident = engine.resident_states()
+        self.devices = [str(p.device) for p in self.optimizer._parameters]  # waits once
+
+    def prepare(self) -> Any:
+        return self.adapter.prepare(self.optimizer, self.gradients)
+
+    def changed(self, batch: Sequence[Unit]) -> list[Target]:
+        """What the update of ``batch`` changes in place, with its device: the parameters
+        and the state that is not swapped (the swapped state's host copy is only
+        overwritten once the update succeeded)."""
+        targets: list[Target] = []
+        for unit in batch:
+            index = unit.index
+            swapped = {slot.key for slot in unit.slots}
+            targets.append((self.optimizer._parameters[index], self.devices[index]))
+            targets += [
+                (values[index], self.devices[index])
+                for key, values in self.resident.items()
+                if key not in swapped and values[index] is not None
+            ]
+        return targets
+
+    def update(self, batch: Sequence[Unit], views: dict[Any, Any], prepared: Any) -> None:
+        work = []
+        for unit in batch:
+            states = {key: values[unit.index] for key, values in self.resident.items()}
+            for slot in unit.slots:
+                states[slot.key] = views[slot]
+            work.append((unit.index, states))
+        out = self.adapter.update_batch(self.optimizer, prepared, work, self.graphs)
+        for unit, result in zip(batch, out, strict=True):
+            self.results[unit.index] = result

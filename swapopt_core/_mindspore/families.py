@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from swapopt_core._engine_base import ENGINE_ATTR
 from swapopt_core._errors import SwapOptError
 from swapopt_core._mindspore.adapter import GraphCache, MindSporeAdapter, Work
+from swapopt_core._swap.engine import ENGINE_ATTR
 
 __all__ = ["MindFormersAdamWAdapter", "NnAdamAdapter", "NnAdamWeightDecayAdapter"]
 

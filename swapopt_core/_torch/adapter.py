@@ -4,41 +4,36 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, MutableMapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["OptimizerAdapter", "StateFactory"]
+from swapopt_core._swap.adapter import SwapAdapter
+
+__all__ = ["OptimizerAdapter", "StateFactory", "TorchAdapterProtocol"]
 
 #: ``make(key, like)`` returns a zero tensor shaped like ``like`` for state entry ``key``:
 #: in host memory when the engine will swap it, on ``like``'s device otherwise.
 StateFactory = Callable[[str, torch.Tensor], torch.Tensor]
 
 
-class OptimizerAdapter(ABC):
-    """Knows one optimizer family: which state it keeps and how one batch is updated.
+@runtime_checkable
+class TorchAdapterProtocol(SwapAdapter, Protocol):
+    """What the torch engine asks of an optimizer family's adapter.
 
-    The engine owns all movement of state. An adapter only declares the state keys, creates
-    state the way the family would, and runs the family's own numerics on tensors that the
-    engine has placed on the device.
+    Any object with these members serves (the registration checks it); ``OptimizerAdapter``
+    subclasses it and inherits the defaults below. The engine owns all movement of state.
+    An adapter only declares the state keys, creates state the way the family would, and
+    runs the family's own numerics on tensors that the engine has placed on the device.
     """
-
-    #: Human-readable family name, used in error messages (e.g. ``"torch.optim.Adam"``).
-    family: ClassVar[str]
-    #: The tensor library of the family (``"torch"``; MindSpore adapters say ``"mindspore"``).
-    framework: ClassVar[str] = "torch"
-    #: Every state key the family can own; ``SwapOptimizerConfig.state_keys`` must be a subset.
-    state_key_names: ClassVar[tuple[str, ...]]
-    #: Whether the family keeps master weights that ``include_master_params`` could swap.
-    has_master_params: ClassVar[bool] = False
 
     @abstractmethod
     def matches(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether this adapter serves ``optimizer``."""
 
+    @abstractmethod
     def keeps_masters(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` has master weights ``include_master_params`` could swap."""
-        return self.has_master_params
 
     def silence(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         """Make ``optimizer``'s own ``step()`` update nothing; return the undo.
@@ -60,7 +55,7 @@ class OptimizerAdapter(ABC):
 
         return undo
 
-    def validate(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027
+    def validate(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise for flags of ``optimizer``'s groups that the swap cannot honour.
 
         Called at install and again at every step, so groups added later are checked too.
@@ -70,7 +65,7 @@ class OptimizerAdapter(ABC):
     def state_keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
         """The swappable state entries for parameters of ``group``, in layout order."""
 
-    def init_state(  # noqa: B027
+    def init_state(
         self,
         group: MutableMapping[str, Any],
         param: torch.Tensor,
@@ -100,3 +95,23 @@ class OptimizerAdapter(ABC):
         entries are device tensors. Update them in place; entries the update creates or
         replaces are written into the working copy and the engine stores them.
         """
+
+
+class OptimizerAdapter(TorchAdapterProtocol, ABC):
+    """Base class of the built-in torch adapters: the protocol with its defaults.
+
+    Subclasses set ``family`` and ``state_key_names`` and implement ``matches``,
+    ``state_keys`` and ``update``.
+    """
+
+    #: Human-readable family name, used in error messages (e.g. ``"torch.optim.Adam"``).
+    family: str
+    #: The tensor library of the family (``"torch"``; MindSpore adapters say ``"mindspore"``).
+    framework: str = "torch"
+    #: Every state key the family can own; ``SwapOptimizerConfig.state_keys`` must be a subset.
+    state_key_names: tuple[str, ...]
+    #: Whether the family keeps master weights that ``include_master_params`` could swap.
+    has_master_params: ClassVar[bool] = False
+
+    def keeps_masters(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self.has_master_params

@@ -1,30 +1,29 @@
 """How a torch engine keeps ``optimizer.state`` and its host-memory slots in line.
 
-``StateBook`` is the half of ``SwapEngine`` that decides which state entries are swapped,
-takes them into host memory (``_adopt``, lazily created state through ``_make_state``) and
-lists the parameters a step updates (``sync_state``). The step itself, install and
-uninstall are in ``swapopt_core._torch.engine``.
+``StateBook`` owns the slots of one swapped torch optimizer: it decides which state entries
+are swapped, takes them into host memory (``adopt``, lazily created state through
+``make_state``, entries a checkpoint load set aside through ``adopt_loaded``) and lists the
+parameters a step updates (``sync``). The engine asks it; it never calls the engine.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._runtime import TransferRuntime
 from swapopt_core._torch.adapter import OptimizerAdapter
-from swapopt_core._torch.staging import PackedStaging, PerTensorStaging
 from swapopt_core._torch.state import Slot, local_tensor, wrap_like
 
-if TYPE_CHECKING:
-    from swapopt_core._torch.prefetch import BackwardPrefetch
+__all__ = ["SlotKey", "StateBook", "Unit"]
 
-__all__ = ["StateBook", "Unit"]
+#: A slot's key: the id of its parameter and its state key.
+SlotKey = tuple[int, str]
 
 
 @dataclass(eq=False)
@@ -37,22 +36,40 @@ class Unit:
     slots: list[Slot] = field(default_factory=list)
 
     @property
+    def key(self) -> int:
+        return id(self.param)
+
+    @property
+    def token(self) -> tuple[Any, ...]:
+        """The gradient the update used and its version: a retry with it skips the unit."""
+        return (self.grad, self.grad._version)
+
+    @property
     def nbytes(self) -> int:
         return sum(slot.nbytes for slot in self.slots)
 
 
+@dataclass(eq=False)
 class StateBook:
-    """State bookkeeping of a ``SwapEngine`` (a mixin: the engine provides the attributes)."""
+    """The swapped state entries of one torch optimizer and their host memory.
+
+    Attributes:
+        optimizer: Whose ``state`` the book keeps in line.
+        config: ``state_keys`` and ``min_numel`` say what is swapped.
+        adapter: The family's state keys and state creation.
+        runtime: Host memory and the devices it accepts.
+        packed: Whether host memory is packed (the layout fills it in after ``sync``).
+        slots: The swapped entries by ``(id(param), key)``.
+    """
 
     optimizer: torch.optim.Optimizer
     config: SwapOptimizerConfig
     adapter: OptimizerAdapter
     runtime: TransferRuntime
-    staging: PackedStaging | PerTensorStaging
-    slots: dict[tuple[int, str], Slot]
-    prefetch: BackwardPrefetch
-    settle: Callable[[], None]  # EngineBase's
-    quiesce: Callable[[], None]  # EngineBase's
+    packed: bool
+    slots: dict[SlotKey, Slot] = field(default_factory=dict)
+
+    # ---- what is swapped -----------------------------------------------------------------
 
     def keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
         """The state keys swapped for parameters of ``group``: the adapter's, as configured."""
@@ -76,27 +93,73 @@ class StateBook:
             and self.runtime.accepts(local_tensor(param).device)
         )
 
-    def host_copy(self, local: torch.Tensor, *, settled: bool = False) -> torch.Tensor:
+    def unswapped(self) -> int:
+        """How many swappable entries are not our host tensors now."""
+        opt = self.optimizer
+        ours = {id(slot.value) for slot in self.slots.values()}  # alive: ids are unique
+        count = 0
+        for group in opt.param_groups:
+            keys = self.keys(group)
+            for param in group["params"]:
+                state = opt.state.get(param, {})
+                count += sum(
+                    1
+                    for key in keys
+                    if key in state
+                    and id(state[key]) not in ours
+                    and self.swappable(param, state[key])
+                )
+        return count
+
+    # ---- taking state into host memory ---------------------------------------------------
+
+    def _host_copy(self, local: torch.Tensor, *, settled: bool = False) -> torch.Tensor:
         """Host memory holding ``local``'s values for a new slot.
 
         In packed mode the slot is about to be copied into the packed buffer by the layout
-        that ends ``sync_state``, so unless ``settled`` is asked for (state created inside a
+        that follows ``sync``, so unless ``settled`` is asked for (state created inside a
         step, which must leave the device now) the source itself stands in until then.
         """
-        if self.staging.packed:
+        if self.packed:
             return local.to("cpu", copy=True) if settled else local
         host = self.runtime.alloc_host(local.numel(), local.dtype).view(local.shape)
         return host.copy_(local)
 
-    def _adopt(
-        self, param: torch.Tensor, key: str, value: torch.Tensor, *, settled: bool = False
-    ) -> Slot:
-        """Take ``value`` into host memory and make it the state entry."""
-        host = self.host_copy(local_tensor(value), settled=settled)
-        slot = Slot(param, key, host, wrap_like(host, value), local_tensor(param).device)
+    def _add(self, param: torch.Tensor, key: str, host: torch.Tensor, like: torch.Tensor) -> Slot:
+        slot = Slot(param, key, host, wrap_like(host, like), local_tensor(param).device)
         self.optimizer.state[param][key] = slot.value
         self.slots[(id(param), key)] = slot
         return slot
+
+    def adopt(
+        self, param: torch.Tensor, key: str, value: torch.Tensor, *, settled: bool = False
+    ) -> Slot:
+        """Take ``value`` into host memory and make it the state entry ``key`` of ``param``."""
+        return self._add(param, key, self._host_copy(local_tensor(value), settled=settled), value)
+
+    def adopt_loaded(self, pending: dict[SlotKey, torch.Tensor]) -> None:
+        """Replace every slot by the entries a checkpoint load set aside (``pending``)."""
+        self.slots.clear()
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                for key in self.keys(group):
+                    value = pending.get((id(param), key))
+                    if value is None:
+                        continue
+                    local = local_tensor(value)
+                    if local_tensor(param).is_floating_point():
+                        # Cast like torch's loader does, but into host memory, not the device.
+                        local = local.to(device="cpu", dtype=param.dtype)
+                    self._add(param, key, self._host_copy(local), _layout_source(value, param))
+
+    def forget(self, param: torch.Tensor, key: str) -> None:
+        """Drop the slot of entry ``key`` of ``param`` (an undone update created it)."""
+        self.slots.pop((id(param), key), None)
+
+    def publish(self, slot: Slot) -> None:
+        """Make ``slot``'s state entry hold its ``host`` (which the layout just moved)."""
+        slot.value = wrap_like(slot.host, slot.value)
+        self.optimizer.state[slot.param][slot.key] = slot.value
 
     def _slot(self, param: torch.Tensor, key: str, state: MutableMapping[str, Any]) -> Slot | None:
         value = state.get(key)
@@ -106,7 +169,8 @@ class StateBook:
         if not self.swappable(param, value):
             self.slots.pop((id(param), key), None)
             return None
-        return self._adopt(param, key, value)
+        assert isinstance(value, torch.Tensor)
+        return self.adopt(param, key, value)
 
     def _make_state(self, keys: tuple[str, ...], key: str, like: torch.Tensor) -> torch.Tensor:
         """The ``make`` callback adapters create lazy state with (see ``StateFactory``)."""
@@ -118,51 +182,30 @@ class StateBook:
         ):
             # Zeros straight into host memory: nothing is allocated on the device. Packed
             # mode needs no memory at all until the layout writes the zeros in place.
-            zero = torch.zeros((), dtype=local.dtype)
-            host = (
-                zero.expand(local.shape)
-                if self.staging.packed
-                else self.host_copy(zero.expand(local.shape))
-            )
+            zero = torch.zeros((), dtype=local.dtype).expand(local.shape)
+            host = zero if self.packed else self._host_copy(zero)
             slot = Slot(like, key, host, wrap_like(host, like), local.device)
             self.slots[(id(like), key)] = slot
             return slot.value
         return torch.zeros_like(like, memory_format=torch.preserve_format)
 
-    def offload(self) -> int:
-        """Take swappable entries that are not our host tensors into host memory now."""
-        opt = self.optimizer
-        self.prefetch.drop()  # the layout may change below
-        self.quiesce()  # host state final: a batch whose copy out failed is written back
-        ours = {id(slot.value) for slot in self.slots.values()}  # alive: ids are unique
-        moved = 0
-        for group in opt.param_groups:
-            keys = self.keys(group)
-            for param in group["params"]:
-                state = opt.state.get(param, {})
-                moved += sum(
-                    1
-                    for key in keys
-                    if key in state
-                    and id(state[key]) not in ours
-                    and self.swappable(param, state[key])
-                )
-        with torch.no_grad():
-            self.sync_state()
-        return moved
+    # ---- the state a step updates ----------------------------------------------------------
 
-    def sync_state(self, *, stepping: bool = False) -> list[Unit]:
-        """Bring ``optimizer.state`` in line with the slots; return the units to step.
+    def sync(self, *, stepping: bool = False) -> tuple[list[Unit], list[Slot]]:
+        """Bring ``optimizer.state`` in line with the slots.
 
         Any swappable entry that is not one of our host tensors (state created before
         install, loaded by a framework, or moved back to the device) is taken into host
         memory here. With ``stepping``, lazily initialises the state of parameters about to
         be stepped.
+
+        Returns:
+            The units to step, and every slot in layout order (for the packed layout).
         """
         opt = self.optimizer
         units: list[Unit] = []
         ordered: list[Slot] = []
-        live: set[tuple[int, str]] = set()
+        live: set[SlotKey] = set()
         for index, group in enumerate(opt.param_groups):
             keys = self.keys(group)
             for param in group["params"]:
@@ -172,6 +215,7 @@ class StateBook:
                     state = self._init_state(group, param, keys)
                 slots = []
                 for key in keys if state else ():
+                    assert state is not None
                     slot = self._slot(param, key, state)
                     if slot is not None:
                         slots.append(slot)
@@ -183,12 +227,9 @@ class StateBook:
         if stale:
             # Their host memory is freed below: no copy of the last step may still use it.
             self.runtime.synchronize()
-        for key in stale:
-            del self.slots[key]
-        if isinstance(self.staging, PackedStaging):
-            # The old buffers must be final, a failed copy out written back into them.
-            self.staging.layout(ordered, self._publish, self.quiesce)
-        return units
+        for gone in stale:
+            del self.slots[gone]
+        return units, ordered
 
     def _init_state(
         self, group: MutableMapping[str, Any], param: torch.Tensor, keys: tuple[str, ...]
@@ -205,5 +246,22 @@ class StateBook:
         state.update(fresh)
         return state
 
-    def _publish(self, slot: Slot) -> None:
-        self.optimizer.state[slot.param][slot.key] = slot.value
+    def restore_all(self) -> None:
+        """Put every swapped entry back on its parameter's device and forget the slots.
+
+        The caller makes the host state final first.
+        """
+        for slot in self.slots.values():
+            local = torch.empty_like(slot.host, device=slot.device)
+            local.copy_(slot.host)
+            self.optimizer.state[slot.param][slot.key] = wrap_like(local, slot.value)
+        self.slots.clear()
+
+
+def _layout_source(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Whose distributed layout a loaded state entry takes: its own, else its parameter's."""
+    if local_tensor(value) is not value:
+        return value
+    if local_tensor(param).shape == value.shape:
+        return param
+    return value

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swapopt_core._torch.state import Slot, local_tensor, wrap_like
-
 if TYPE_CHECKING:
     from swapopt_core._torch.engine import SwapEngine
 
@@ -22,7 +20,11 @@ __all__ = ["CheckpointHooks"]
 
 
 class CheckpointHooks:
-    """The checkpoint hooks one ``SwapEngine`` registers on its optimizer."""
+    """The checkpoint hooks one ``SwapEngine`` registers on its optimizer.
+
+    They ask the engine (``quiesce``, ``before_host_rewrite``, ``swapped_keys``,
+    ``swappable``, ``load_swapped``) and keep nothing of it but the loaded entries in between.
+    """
 
     def __init__(self, engine: SwapEngine) -> None:
         self.engine = engine
@@ -76,8 +78,7 @@ class CheckpointHooks:
         # The loaded values replace the host tensors: a prefetch of the old values is
         # given back, a kept batch must not land on top of them later, and no copy may
         # still be writing them.
-        engine.prefetch.drop()
-        engine.quiesce()
+        engine.before_host_rewrite()
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         stripped = dict(saved_state)
@@ -85,7 +86,7 @@ class CheckpointHooks:
         if len(saved_groups) != len(opt.param_groups):
             return state_dict  # torch's loader reports the mismatch
         for saved, group in zip(saved_groups, opt.param_groups, strict=True):
-            keys = engine.keys(saved)
+            keys = engine.swapped_keys(saved)
             for saved_id, param in zip(saved["params"], group["params"], strict=False):
                 entry = saved_state.get(saved_id)
                 if not isinstance(entry, dict):
@@ -99,37 +100,5 @@ class CheckpointHooks:
 
     def after_load(self, opt: torch.optim.Optimizer) -> None:
         """Put the entries ``before_load`` kept back into host memory, as new slots."""
-        engine = self.engine
         pending, self._pending_load = self._pending_load, {}
-        engine.slots.clear()
-        for group in opt.param_groups:
-            for param in group["params"]:
-                for key in engine.keys(group):
-                    value = pending.get((id(param), key))
-                    if value is None:
-                        continue
-                    local = local_tensor(value)
-                    if local_tensor(param).is_floating_point():
-                        # Cast like torch's loader does, but into host memory, not the device.
-                        local = local.to(device="cpu", dtype=param.dtype)
-                    host = engine.host_copy(local)
-                    slot = Slot(
-                        param,
-                        key,
-                        host,
-                        wrap_like(host, _layout_source(value, param)),
-                        local_tensor(param).device,
-                    )
-                    opt.state[param][key] = slot.value
-                    engine.slots[(id(param), key)] = slot
-        with torch.no_grad():
-            engine.sync_state()
-
-
-def _layout_source(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """Whose distributed layout a loaded state entry takes: its own, else its parameter's."""
-    if local_tensor(value) is not value:
-        return value
-    if local_tensor(param).shape == value.shape:
-        return param
-    return value
+        self.engine.load_swapped(pending)

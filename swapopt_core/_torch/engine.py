@@ -1,11 +1,14 @@
 """The swap engine installed on one torch optimizer: install, uninstall and the step.
 
-Its state bookkeeping is in ``swapopt_core._torch.bookkeeping``, its checkpoint hooks in
-``swapopt_core._torch.checkpoint``.
+The engine owns a ``StateBook`` (its slots, ``swapopt_core._torch.bookkeeping``), a
+``BackwardPrefetch`` (``swapopt_core._torch.prefetch``) and ``CheckpointHooks``
+(``swapopt_core._torch.checkpoint``) and asks each of them; the step transaction itself is
+the neutral one of ``swapopt_core._swap.engine``, over a ``TorchStep``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -14,22 +17,23 @@ import pluggy
 import torch
 
 from swapopt_core._config import SwapOptimizerConfig
-from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
-from swapopt_core._partition import partition
-from swapopt_core._pipeline import Pipeline, deferred_interrupt
 from swapopt_core._runtime import TransferRuntime
+from swapopt_core._swap.engine import ENGINE_ATTR, EngineBase
+from swapopt_core._swap.pipeline import Pipeline
 from swapopt_core._torch.adapter import OptimizerAdapter
-from swapopt_core._torch.bookkeeping import StateBook, Unit
+from swapopt_core._torch.bookkeeping import SlotKey, StateBook, Unit
 from swapopt_core._torch.checkpoint import CheckpointHooks
 from swapopt_core._torch.prefetch import BackwardPrefetch
-from swapopt_core._torch.staging import PackedStaging, PerTensorStaging
-from swapopt_core._torch.state import Slot, local_tensor, wrap_like
-from swapopt_core._torch.transaction import UndoArena, check_grads, check_params, snapshot
+from swapopt_core._torch.state import Slot, local_tensor
+from swapopt_core._torch.tensor_ops import TorchTensorOps
+from swapopt_core._torch.transaction import TorchStep, check_grads, check_params
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["SwapEngine"]
 
-class SwapEngine(StateBook, EngineBase):
+
+class SwapEngine(EngineBase):
     """Keeps an optimizer's swappable state in host memory and runs its step as a pipeline.
 
     Installed through the optimizer's own hooks, so the object keeps its identity: the
@@ -39,12 +43,8 @@ class SwapEngine(StateBook, EngineBase):
 
     framework = "torch"
     install_note = ", new state starts in host memory at its first step"
-    packed_staging = PackedStaging
-    per_tensor_staging = PerTensorStaging
     optimizer: torch.optim.Optimizer
     adapter: OptimizerAdapter
-    staging: PackedStaging | PerTensorStaging
-    slots: dict[tuple[int, str], Slot]
 
     def __init__(
         self,
@@ -55,12 +55,19 @@ class SwapEngine(StateBook, EngineBase):
         plugin_manager: pluggy.PluginManager,
     ) -> None:
         super().__init__(optimizer, config, adapter, runtime, plugin_manager)
-        self._handles: list[Any] = []
+        self.book = StateBook(optimizer, config, adapter, runtime, packed=self.staging.packed)
         self.checkpoint = CheckpointHooks(self)
-        self.prefetch = BackwardPrefetch(self)
-        # Units finished by a step that was then interrupted, with the grad they used.
-        self._finished: dict[int, tuple[torch.Tensor, int]] = {}
+        self.prefetch = BackwardPrefetch(runtime, self._prefetch_pipeline)
+        self._handles: list[Any] = []
         self._unsilence: Callable[[], None] | None = None
+
+    @staticmethod
+    def tensor_ops(runtime: TransferRuntime) -> TorchTensorOps:
+        return TorchTensorOps()
+
+    @property
+    def slots(self) -> dict[SlotKey, Slot]:
+        return self.book.slots
 
     # ---- install / uninstall -------------------------------------------------------------
 
@@ -81,20 +88,20 @@ class SwapEngine(StateBook, EngineBase):
     def install(self) -> None:
         opt = self.optimizer
         self.adapter.validate(opt)
-        check_params(self.optimizer.param_groups)
+        check_params(opt.param_groups)
         try:
             # Offload state that exists already, so it is not resident through the next
             # forward/backward. Done first: a failure here leaves no hook behind.
-            self.sync_state()
+            self._sync()
         except BaseException:
             self._restore_state()
             raise
         self._unsilence = self.adapter.silence(opt)
         step_post = opt.register_step_post_hook(self._post_step)
         # Before post-hooks the user registered earlier: they expect an updated model.
-        opt._optimizer_step_post_hooks.move_to_end(step_post.id, last=False)
+        opt._optimizer_step_post_hooks.move_to_end(step_post.id, last=False)  # type: ignore[attr-defined]
         self._handles = [step_post, *self.checkpoint.attach()]
-        self.prefetch.watch([p for group in opt.param_groups for p in group["params"]])
+        self.prefetch.watch(self._params())
         setattr(opt, ENGINE_ATTR, self)
 
     def uninstall(self) -> None:
@@ -112,11 +119,52 @@ class SwapEngine(StateBook, EngineBase):
 
     def _restore_state(self) -> None:
         self.quiesce()  # the host tensors are read below
-        for slot in self.slots.values():
-            local = torch.empty_like(slot.host, device=slot.device)
-            local.copy_(slot.host)
-            self.optimizer.state[slot.param][slot.key] = wrap_like(local, slot.value)
-        self.slots.clear()
+        self.book.restore_all()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    # ---- host state ----------------------------------------------------------------------
+
+    def _sync(self, *, stepping: bool = False) -> list[Unit]:
+        """Bring ``optimizer.state`` in line with the slots and the packed layout."""
+        with torch.no_grad():
+            units, ordered = self.book.sync(stepping=stepping)
+            self.lay_out(ordered)
+        return units
+
+    def publish(self, slot: Slot) -> None:
+        self.book.publish(slot)
+
+    def offload(self) -> int:
+        """Take swappable entries that are not our host tensors into host memory now."""
+        self.before_host_rewrite()  # the layout may change below
+        moved = self.book.unswapped()
+        self._sync()
+        return moved
+
+    def before_host_rewrite(self) -> None:
+        """Host state is about to be replaced: give back a prefetch that read it, write back
+        kept batches and wait for every copy into it."""
+        self.prefetch.drop()
+        self.quiesce()
+
+    def swapped_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state keys swapped for parameters of ``group``."""
+        return self.book.keys(group)
+
+    def swappable(self, param: torch.Tensor, value: object) -> bool:
+        """Whether state entry ``value`` of ``param`` can live in host memory."""
+        return self.book.swappable(param, value)
+
+    def load_swapped(self, pending: dict[SlotKey, torch.Tensor]) -> None:
+        """Make the swapped entries a checkpoint load set aside the state, in host memory."""
+        self.book.adopt_loaded(pending)
+        self._sync()
+
+    def host_changing(self) -> None:
+        # A prefetch read the host state a write back is about to replace.
+        self.prefetch.drop()
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -124,135 +172,36 @@ class SwapEngine(StateBook, EngineBase):
         self.step()
 
     def step(self) -> None:
-        """Run one swapped update of every parameter that has a gradient.
+        """Run one swapped update of every parameter that has a gradient (``run_step``)."""
+        self.run_step(None)
 
-        If anything raises, each parameter was updated completely or not at all, its state
-        is in host memory (or kept on the device until the next call) and the updated ones
-        are remembered: calling ``step`` again with the same gradients finishes the step.
-        """
-        with deferred_interrupt():
-            self._step()
-
-    def _step(self) -> None:
+    def open_step(self, call: Any) -> TorchStep:
         opt = self.optimizer
-        self.settle()
         self.adapter.validate(opt)
-        check_params(self.optimizer.param_groups)
+        check_params(opt.param_groups)
         check_grads(opt.param_groups, self.adapter.family)
-        self.prefetch.watch([p for group in opt.param_groups for p in group["params"]])
-        with torch.no_grad():
-            units = self.sync_state(stepping=True)
-            remaining = [u for u in units if not self._already_done(u)]
-            resumed = len(remaining) < len(units)
-            units = remaining
-            runs = partition([u.nbytes for u in units], self.config.swap_times)
-            batches = [[units[k] for k in run] for run in runs]
-            done: dict[int, tuple[torch.Tensor, int]] = {}
-            arena = UndoArena([[u.param for u in b] for b in batches])
+        self.prefetch.watch(self._params())
+        return TorchStep(opt, self.adapter, self.book, self._sync(stepping=True))
 
-            def update(i: int, views: dict[Slot, torch.Tensor]) -> None:
-                saved = arena.copies([u.param for u in batches[i]])
-                undo = [
-                    snapshot(opt.state[u.param], u.param, {s.key for s in u.slots}, copy)
-                    for u, copy in zip(batches[i], saved, strict=True)
-                ]
-                try:
-                    self._update_batch(batches[i], views)
-                except BaseException:
-                    for saved in undo:
-                        saved.roll_back(opt.state[saved.param], self.slots)
-                    raise
-                for unit in batches[i]:
-                    done[id(unit.param)] = (unit.grad, unit.grad._version)
+    def computing(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.no_grad()
 
-            plan = [[s for u in b for s in u.slots] for b in batches]
-            pipeline = self.prefetch.take(plan) or Pipeline(
-                plan, self.staging, self.runtime, self.previous
-            )
-            try:
-                pipeline.run(update, self.kept)
-            except BaseException:
-                self._finished.update(done)
-                self._drain_after_failure()
-                raise
-            h2d, d2h = pipeline.h2d, pipeline.d2h
-            # The step ends with its copies queued; the next one's copies in wait for these.
-            # A step without batches queued none: the copies before it are still the ones.
-            if pipeline.batches:
-                self.previous = pipeline
-            self.prefetch.remember(plan)
-        # Until the observers have seen the step, a call with the same gradients only
-        # tells them again.
-        self._finished.update(done)
-        self.finish_step(h2d, d2h, len(batches), resumed=resumed)
-        self._finished.clear()
+    def start_pipeline(self, plan: list[list[Any]]) -> Pipeline:
+        return self.prefetch.take(plan) or super().start_pipeline(plan)
 
-    def _drain_after_failure(self) -> None:
+    def _prefetch_pipeline(self, plan: list[list[Slot]]) -> Pipeline | None:
+        """The pipeline a prefetch during backward may start, if one may start now."""
+        if self.kept or not self.config.prefetch_during_backward:
+            return None
+        return super().start_pipeline(plan)
+
+    def step_queued(self, plan: list[list[Any]], resumed: bool) -> None:
+        self.prefetch.remember(plan)
+
+    def step_failed(self) -> None:
         """Learn which copies out of the last step failed (their batches join ``kept``)."""
         try:
             # The recovery drained the queues: this only collects what they reported.
             self.wait_copies()
         except BaseException:  # the next entry tries again; the step's own error propagates
             logger.warning("swapopt: draining the copies after a failed step failed", exc_info=True)
-
-    def host_changing(self) -> None:
-        # A prefetch read the host state a write back is about to replace.
-        self.prefetch.drop()
-
-    def _already_done(self, unit: Unit) -> bool:
-        record = self._finished.get(id(unit.param))
-        return record is not None and record[0] is unit.grad and record[1] == unit.grad._version
-
-    def _update_batch(self, units: list[Unit], views: dict[Slot, torch.Tensor]) -> None:
-        opt = self.optimizer
-        by_group: dict[int, list[Unit]] = {}
-        for unit in units:
-            by_group.setdefault(unit.group, []).append(unit)
-        for index, members in by_group.items():
-            group = opt.param_groups[index]
-            keys = self.keys(group)
-            works = []
-            for unit in members:
-                work = {
-                    k: local_tensor(v) if isinstance(v, torch.Tensor) else v
-                    for k, v in opt.state[unit.param].items()
-                }
-                for slot in unit.slots:
-                    work[slot.key] = views[slot]
-                works.append(work)
-            self.adapter.update(
-                opt,
-                group,
-                [local_tensor(u.param) for u in members],
-                [local_tensor(u.grad) for u in members],
-                works,
-            )
-            for unit, work in zip(members, works, strict=True):
-                self._store(unit, work, keys, views)
-
-    def _store(self, unit: Unit, work: dict, keys: tuple[str, ...], views: dict) -> None:
-        """Write back what the update created or replaced in its working copy of the state."""
-        state = self.optimizer.state[unit.param]
-        swapped = {slot.key: slot for slot in unit.slots}
-        for key, value in work.items():
-            slot = swapped.get(key)
-            if slot is not None:
-                if value is not views[slot]:
-                    views[slot].copy_(value)
-                continue
-            old = state.get(key)
-            if old is not None and (old is value or local_tensor(old) is value):
-                continue
-            if key in keys and self.swappable(unit.param, value):
-                # Created by the update (SGD momentum): take it to host memory right away.
-                self._adopt(unit.param, key, wrap_like(value, unit.param), settled=True)
-            else:
-                like = old if isinstance(old, torch.Tensor) else unit.param
-                state[key] = wrap_like(value, like) if isinstance(value, torch.Tensor) else value
-
-    # ---- reporting -----------------------------------------------------------------------
-
-    def host_state_bytes(self) -> int:
-        if isinstance(self.staging, PackedStaging) and self.staging.buffers:
-            return sum(b.numel() * b.element_size() for b in self.staging.buffers.values())
-        return super().host_state_bytes()

@@ -18,7 +18,7 @@ The hooks live on the parameters, which outlive a dropped optimizer: they hold t
 is collected.
 
 Memory: from the first gradient of a backward until the step, ``AHEAD`` batches of state
-(``AHEAD / swap_times`` of it, packed: two arenas) are on the device on top of what
+(``AHEAD / swap_times`` of it) are on the device on top of what
 backward uses; the step itself never holds more than three batches. Set
 ``SwapOptimizerConfig.prefetch_during_backward=False`` to keep backward's peak as it was.
 """
@@ -28,22 +28,20 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from swapopt_core._pipeline import Pipeline
+from swapopt_core._runtime import TransferRuntime
+from swapopt_core._swap.pipeline import Pipeline
 from swapopt_core._torch.state import Slot
-
-if TYPE_CHECKING:
-    from swapopt_core._torch.engine import SwapEngine
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AHEAD", "BackwardPrefetch"]
 
-#: Batches copied in ahead of a step: the ring holds three, one stays free for the step.
+#: Batches copied in ahead of a step: the step holds three at most, one stays free for it.
 AHEAD = 2
 
 #: What tells an in-place edit of a slot: the version counters of its host tensor and of
@@ -73,11 +71,22 @@ def _remove(handles: dict[int, Any]) -> None:
     handles.clear()
 
 
-class BackwardPrefetch:
-    """The hooks and the pipeline one ``SwapEngine`` starts during backward."""
+#: Builds the pipeline a prefetch starts for a plan, or says no (``None``).
+PipelineFactory = Callable[[list[list[Slot]]], Pipeline | None]
 
-    def __init__(self, engine: SwapEngine) -> None:
-        self.engine = engine
+
+class BackwardPrefetch:
+    """The hooks and the pipeline one ``SwapEngine`` starts during backward.
+
+    Args:
+        runtime: Tells whether a prefetched copy in failed.
+        open_pipeline: The engine's pipeline for a plan, or ``None`` when the engine wants
+            no prefetch now (switched off, or batches kept on the device).
+    """
+
+    def __init__(self, runtime: TransferRuntime, open_pipeline: PipelineFactory) -> None:
+        self.runtime = runtime
+        self.open_pipeline = open_pipeline
         self.plan: list[list[Slot]] | None = None  #: the last step's batches
         self.pipeline: Pipeline | None = None
         self._hosts: list[torch.Tensor] = []  # the host memory the prefetch reads
@@ -104,12 +113,11 @@ class BackwardPrefetch:
         if self._tried or self.plan is None:
             return
         self._tried = True  # once per step, even if it fails
-        engine = self.engine
-        if engine.kept or not engine.config.prefetch_during_backward:
-            return
         if torch.compiler.is_compiling():  # traced, not run: nothing to copy yet
             return
-        pipeline = Pipeline(self.plan, engine.staging, engine.runtime, engine.previous)
+        pipeline = self.open_pipeline(self.plan)
+        if pipeline is None:
+            return
         try:
             # Outside any dispatch mode (an OffloadSession's tracer among them): these copies
             # are the optimizer's, not ops of the model's backward.
@@ -145,7 +153,7 @@ class BackwardPrefetch:
         if not (same_memory and pipeline.matches(batches)):
             pipeline.abandon()
             return None
-        runtime = self.engine.runtime
+        runtime = self.runtime
         try:
             for j, noted in enumerate(stamps):
                 failed = runtime.failure(pipeline.tickets[j]) is not None

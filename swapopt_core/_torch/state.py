@@ -53,5 +53,21 @@ class Slot:
     offset: int = -1
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.host.dtype
+
+    @property
+    def numel(self) -> int:
+        return self.host.numel()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.host.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.host.element_size()
+
+    @property
     def nbytes(self) -> int:
         return self.host.numel() * self.host.element_size()

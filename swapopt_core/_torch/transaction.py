@@ -1,102 +1,135 @@
-"""What keeps a torch step a transaction: refusals before anything moves, and an undo copy.
+"""A torch step for the engine's transaction: refusals before anything moves, and the update.
 
 A batch's update either finishes or is undone. The swapped state needs no copy: its host
 copy is only overwritten by the batch's copy out, which runs after the update succeeded.
-What the update changes directly (the parameters, the step counter, state too small to be
-swapped) is copied on its device first.
+What the update changes in place (the parameters, the step counter, state too small to be
+swapped) is listed by ``TorchStep.changed`` for the engine's undo copy; state entries the
+update creates or replaces are put back by ``TorchStep.update`` itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from swapopt_core._errors import SwapOptError
-from swapopt_core._torch.state import local_tensor
+from swapopt_core._swap.ops import Target
+from swapopt_core._torch.adapter import OptimizerAdapter
+from swapopt_core._torch.bookkeeping import StateBook, Unit
+from swapopt_core._torch.state import local_tensor, wrap_like
 
-__all__ = ["Undo", "UndoArena", "check_grads", "check_params", "snapshot"]
-
-
-@dataclass
-class Undo:
-    """One parameter as it was before its batch's update."""
-
-    param: torch.Tensor
-    entries: dict[str, Any]  #: the state dict's entries (the objects themselves)
-    values: dict[str, torch.Tensor]  #: copies of its resident tensor entries
-    saved: torch.Tensor  #: copy of the parameter's local tensor
-
-    def roll_back(self, state: MutableMapping[str, Any], slots: dict) -> None:
-        """Put ``param`` and its ``state`` back; forget slots the update created."""
-        local_tensor(self.param).copy_(self.saved)
-        for key in state.keys() - self.entries.keys():
-            del state[key]
-            slots.pop((id(self.param), key), None)
-        state.update(self.entries)
-        for key, value in self.values.items():
-            local_tensor(self.entries[key]).copy_(value)
+__all__ = ["TorchStep", "check_grads", "check_params"]
 
 
-class UndoArena:
-    """Device memory for the parameter copies of one step, reused from batch to batch.
-
-    One flat buffer per device and dtype, sized for the largest batch, lives for one step:
-    a batch's copy is no longer needed once its update finished, so the next batch takes
-    the same memory. Allocating once per step rather than once per parameter keeps the
-    cost of the undo copy at the copy itself.
+class TorchStep:
+    """One call of a torch step: its units and how a batch of them is updated.
 
     Args:
-        batches: The parameters of each batch of the step.
+        optimizer: The optimizer stepped.
+        adapter: Runs the family's own update on one group's parameters.
+        book: The slots; asked to adopt state an update creates and to forget it on undo.
+        units: The parameters with a gradient, in order.
     """
 
-    def __init__(self, batches: Sequence[Sequence[torch.Tensor]]) -> None:
-        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
-        for params in batches:
-            for key, numel in _needs(params).items():
-                sizes[key] = max(sizes.get(key, 0), numel)
-        self._buffers = {
-            key: torch.empty(numel, dtype=key[1], device=key[0]) for key, numel in sizes.items()
-        }
+    identity = None  # each unit carries its gradient in its token
 
-    def copies(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """A copy of the local tensor of each of ``params``, in this arena."""
-        offsets = dict.fromkeys(self._buffers, 0)
-        out = []
-        for param in params:
-            local = local_tensor(param)
-            key = (local.device, local.dtype)
-            start = offsets[key]
-            offsets[key] = start + local.numel()
-            out.append(self._buffers[key][start : offsets[key]].view(local.shape).copy_(local))
-        return out
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        adapter: OptimizerAdapter,
+        book: StateBook,
+        units: list[Unit],
+    ) -> None:
+        self.optimizer = optimizer
+        self.adapter = adapter
+        self.book = book
+        self.units = units
 
+    def prepare(self) -> Any:
+        return None  # torch families have no once-per-step preamble outside ``update``
 
-def _needs(params: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], int]:
-    needs: dict[tuple[torch.device, torch.dtype], int] = {}
-    for param in params:
-        local = local_tensor(param)
-        key = (local.device, local.dtype)
-        needs[key] = needs.get(key, 0) + local.numel()
-    return needs
+    def changed(self, batch: Sequence[Unit]) -> list[Target]:
+        """The parameters and the tensor state that is not swapped, as local tensors."""
+        targets: list[Target] = []
+        for unit in batch:
+            swapped = {slot.key for slot in unit.slots}
+            for value in (
+                unit.param,
+                *(
+                    v
+                    for k, v in self.optimizer.state[unit.param].items()
+                    if k not in swapped and isinstance(v, torch.Tensor)
+                ),
+            ):
+                local = local_tensor(value)
+                targets.append((local, local.device))
+        return targets
 
+    def update(self, batch: Sequence[Unit], views: dict[Any, Any], prepared: Any) -> None:
+        """Update ``batch``; on failure put back the state entries the update replaced."""
+        state = self.optimizer.state
+        entries = [dict(state[unit.param]) for unit in batch]
+        try:
+            self._update(batch, views)
+        except BaseException:
+            for unit, before in zip(batch, entries, strict=True):
+                now = state[unit.param]
+                for key in now.keys() - before.keys():
+                    del now[key]
+                    self.book.forget(unit.param, key)
+                now.update(before)
+            raise
 
-def snapshot(
-    state: MutableMapping[str, Any], param: torch.Tensor, swapped: set[str], saved: torch.Tensor
-) -> Undo:
-    """Save what an update of ``param`` changes in place, but for the ``swapped`` keys.
+    def _update(self, units: Sequence[Unit], views: dict[Any, Any]) -> None:
+        opt = self.optimizer
+        by_group: dict[int, list[Unit]] = {}
+        for unit in units:
+            by_group.setdefault(unit.group, []).append(unit)
+        for index, members in by_group.items():
+            group = opt.param_groups[index]
+            keys = self.book.keys(group)
+            works = []
+            for unit in members:
+                work = {
+                    k: local_tensor(v) if isinstance(v, torch.Tensor) else v
+                    for k, v in opt.state[unit.param].items()
+                }
+                for slot in unit.slots:
+                    work[slot.key] = views[slot]
+                works.append(work)
+            self.adapter.update(
+                opt,
+                group,
+                [local_tensor(u.param) for u in members],
+                [local_tensor(u.grad) for u in members],
+                works,
+            )
+            for unit, work in zip(members, works, strict=True):
+                self._store(unit, work, keys, views)
 
-    ``saved`` is already a copy of the parameter's local tensor (see ``UndoArena``).
-    """
-    entries = dict(state)
-    values = {
-        key: local_tensor(value).clone()
-        for key, value in entries.items()
-        if key not in swapped and isinstance(value, torch.Tensor)
-    }
-    return Undo(param, entries, values, saved)
+    def _store(
+        self, unit: Unit, work: dict[str, Any], keys: tuple[str, ...], views: dict[Any, Any]
+    ) -> None:
+        """Write back what the update created or replaced in its working copy of the state."""
+        state = self.optimizer.state[unit.param]
+        swapped = {slot.key: slot for slot in unit.slots}
+        for key, value in work.items():
+            slot = swapped.get(key)
+            if slot is not None:
+                if value is not views[slot]:
+                    views[slot].copy_(value)
+                continue
+            old = state.get(key)
+            if old is not None and (old is value or local_tensor(old) is value):
+                continue
+            if key in keys and self.book.swappable(unit.param, value):
+                # Created by the update (SGD momentum): take it to host memory right away.
+                self.book.adopt(unit.param, key, wrap_like(value, unit.param), settled=True)
+            else:
+                like = old if isinstance(old, torch.Tensor) else unit.param
+                state[key] = wrap_like(value, like) if isinstance(value, torch.Tensor) else value
 
 
 def check_params(groups: Sequence[MutableMapping[str, Any]]) -> None:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from swapopt_core._partition import partition
+from swapopt_core._swap.partition import partition
 
 
 def _sums(costs: list[int], runs: list[range]) -> list[int]:
@@ -56,7 +56,7 @@ def test_random_inputs_cover_every_item_once_in_order() -> None:
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from swapopt_core._layout import plan_layout  # noqa: E402
+from swapopt_core._swap.layout import plan_layout  # noqa: E402
 
 
 @settings(max_examples=200, deadline=None)

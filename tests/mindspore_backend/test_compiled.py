@@ -17,11 +17,12 @@ from mindspore import Parameter, Tensor, nn  # noqa: E402
 from mindspore.ops import functional as F  # noqa: E402
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats  # noqa: E402
-from swapopt_core._engine_base import engine_of  # noqa: E402
 from swapopt_core._mindspore import graphs  # noqa: E402
 from swapopt_core._mindspore.adapter import GraphCache  # noqa: E402
 from swapopt_core._mindspore.runtime import MindSporeLoopbackRuntime  # noqa: E402
-from swapopt_core._mindspore.undo import UndoArena  # noqa: E402
+from swapopt_core._mindspore.state import MindSporeTensorOps  # noqa: E402
+from swapopt_core._swap.engine import engine_of  # noqa: E402
+from swapopt_core._swap.undo import UndoArena  # noqa: E402
 
 pytestmark = pytest.mark.mindspore
 
@@ -126,7 +127,7 @@ def test_the_undo_copy_puts_every_target_back(runtime_type):
     targets = [(p, "CPU") for p in _params()]
     before = [p.asnumpy().copy() for p, _ in targets]
     runtime = runtime_type()
-    arena = UndoArena(runtime, [targets[:2], targets[2:]])
+    arena = UndoArena(MindSporeTensorOps(runtime), [targets[:2], targets[2:]])
     for batch in (targets[:2], targets[2:]):
         saved = arena.save(batch)
         for target, _ in batch:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from swapopt_core import is_swap_optimizer, swap_optimizer, swap_stats, unswap_optimizer
-from swapopt_core._engine_base import engine_of
+from swapopt_core._swap.engine import engine_of
 from tests.conftest import assert_nothing_resident, assert_same, loopback, make_model, train, twin
 
 #: Each test runs on the synchronous loopback and on loopback-async with jitter.

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from swapopt_core import swap_optimizer, swap_stats
-from swapopt_core._engine_base import engine_of
+from swapopt_core._swap.engine import engine_of
 from tests.conftest import (
     assert_nothing_resident,
     assert_same,

@@ -17,10 +17,13 @@ from swapopt_core import (
     swap_stats,
     unswap_optimizer,
 )
-from swapopt_core._layout import DeviceLedger
+from swapopt_core._plugins import new_plugin_manager
+from swapopt_core._swap.ledger import DeviceLedger
+from swapopt_core._swap.staging import PackedStaging
 from swapopt_core._torch.loopback import LoopbackRuntime
-from swapopt_core._torch.staging import PackedStaging
 from swapopt_core._torch.state import Slot
+from swapopt_core._torch.tensor_ops import TorchTensorOps
+from swapopt_core.hookspecs import hookimpl
 
 LOOPBACK = SwapOptimizerConfig(runtime="loopback")
 
@@ -147,13 +150,13 @@ def test_auto_on_cpu_swaps_nothing_and_warns_once(monkeypatch: pytest.MonkeyPatc
 
 
 def test_packed_states_on_several_devices_are_refused() -> None:
-    staging = PackedStaging(LoopbackRuntime(), DeviceLedger())
+    staging = PackedStaging(LoopbackRuntime(), TorchTensorOps(), DeviceLedger())
     slots = [
         Slot(torch.empty(4), "exp_avg", torch.zeros(4), torch.zeros(4), torch.device("cuda", i))
         for i in range(2)
     ]
     with pytest.raises(SwapOptError, match=r"\['cuda:0', 'cuda:1'\].*packed_swap=False"):
-        staging.layout(slots, lambda slot: None)
+        staging.layout(slots)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -188,3 +191,23 @@ def test_a_failed_install_leaves_a_plain_working_optimizer(
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
         assert all(torch.equal(v, victim.state[b][k]) for k, v in plain.state[a].items())
+
+
+def test_an_adapter_without_the_torch_protocol_is_refused_by_name() -> None:
+    class HalfAdapter:
+        framework = "torch"
+        family = "half"
+        state_key_names = ("exp_avg",)
+
+        def matches(self, optimizer: object) -> bool:
+            return True
+
+    class Plugin:
+        @hookimpl
+        def swapopt_register_optimizer_adapters(self) -> list[object]:
+            return [HalfAdapter()]
+
+    manager = new_plugin_manager(load_entrypoints=False)
+    manager.register(Plugin())
+    with pytest.raises(SwapOptError, match=r"HalfAdapter.*it lacks .*state_keys.*update"):
+        swap_optimizer(torch.optim.Adam(_params()), LOOPBACK, plugin_manager=manager)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats, unswap_optimizer
-from swapopt_core._engine_base import engine_of
 from swapopt_core._plugins import new_plugin_manager
+from swapopt_core._swap.engine import engine_of
 from swapopt_core.hookspecs import hookimpl
 
 RUNTIME_CALLS = (

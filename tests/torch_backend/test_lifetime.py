@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer
-from swapopt_core._engine_base import engine_of
+from swapopt_core._swap.engine import engine_of
 
 # The script's last line is a step: its copies out are still queued when the interpreter
 # shuts down. A hook registered before swapopt is imported runs after swapopt's own exit
@@ -27,7 +27,7 @@ _EXIT_SCRIPT = textwrap.dedent(
     OPTIMIZERS = []
 
     def report():
-        from swapopt_core._engine_base import engine_of
+        from swapopt_core._swap.engine import engine_of
         lanes = [t.name for t in threading.enumerate() if t.name.startswith("swapopt-")]
         queued = [i for i, opt in enumerate(OPTIMIZERS)
                   if engine_of(opt).last_out is not None and not engine_of(opt).last_out.done()]

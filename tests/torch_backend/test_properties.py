@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats
-from swapopt_core._layout import DeviceLedger
+from swapopt_core._swap.ledger import DeviceLedger
+from swapopt_core._swap.staging import PackedStaging
 from swapopt_core._torch.loopback import LoopbackRuntime
-from swapopt_core._torch.staging import PackedStaging
 from swapopt_core._torch.state import Slot
+from swapopt_core._torch.tensor_ops import TorchTensorOps
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
@@ -21,13 +22,13 @@ tensors = st.tuples(shapes, st.sampled_from(DTYPES))
 @settings(max_examples=60, deadline=None)
 @given(st.lists(tensors, max_size=8), st.integers(1, 4), st.data())
 def test_packed_layout_round_trips_every_slot(specs, parts, data) -> None:  # noqa: ANN001
-    staging = PackedStaging(LoopbackRuntime(), DeviceLedger())
+    staging = PackedStaging(LoopbackRuntime(), TorchTensorOps(), DeviceLedger())
     slots = []
     for k, (shape, dtype) in enumerate(specs):
         value = torch.arange(k, k + torch.Size(shape).numel()).to(dtype).view(shape)
         slots.append(Slot(torch.empty(0), f"s{k}", value, value, torch.device("cpu")))
     expected = [s.host.clone() for s in slots]
-    staging.layout(slots, lambda slot: None)
+    staging.layout(slots)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(slots)), max_size=parts - 1)))
     bounds = [0, *cuts, len(slots)]
     batches = [slots[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]

@@ -20,7 +20,7 @@ from swapopt_core import (
     swap_stats,
     unswap_optimizer,
 )
-from swapopt_core._engine_base import engine_of
+from swapopt_core._swap.engine import engine_of
 from tests.conftest import (
     assert_nothing_resident,
     assert_same,

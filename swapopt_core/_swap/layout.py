@@ -1,19 +1,21 @@
-"""Framework-neutral bookkeeping of staged state: packed host layouts and device bytes."""
+"""Where each swapped state sits in the packed host buffers (one buffer per dtype)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from swapopt_core._errors import SwapOptError
 
-__all__ = ["DeviceLedger", "plan_layout"]
+__all__ = ["LayoutPlan", "plan_layout"]
+
+#: The signature of a new layout (the slots' ids, in order) and its elements per dtype.
+LayoutPlan = tuple[tuple[int, ...], dict[Any, int]]
 
 
 def plan_layout(
     slots: Sequence[Any], previous: tuple[int, ...], size: Callable[[Any], tuple[Any, int]]
-) -> tuple[tuple[int, ...], dict[Any, int]] | None:
+) -> LayoutPlan | None:
     """Whether packed ``slots`` need a new host layout, and its elements per dtype.
 
     Args:
@@ -43,18 +45,3 @@ def plan_layout(
         dtype, numel = size(slot)
         totals[dtype] = totals.get(dtype, 0) + numel
     return signature, totals
-
-
-@dataclass
-class DeviceLedger:
-    """Device bytes of swapped state held right now, and the peak since install."""
-
-    current: int = 0
-    peak: int = 0
-
-    def add(self, nbytes: int) -> None:
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-
-    def sub(self, nbytes: int) -> None:
-        self.current -= nbytes

@@ -7,10 +7,8 @@ Order of operations (queues: compute, copy in, copy out)::
            -> wait(in i) -> update(i) -> copy_out(i)
 
 The two copy queues run at the same time (full duplex), so three batches have device
-memory at once: one going out, one updating, one coming in. Packed staging rotates three
-arenas; a batch's arena is written by its copy in only after the copy out of the batch
-that used it before (``StagedBatch.reuse_after``). Device memory is given back ordered
-after the copies that use it, never by blocking the host.
+memory at once: one going out, one updating, one coming in. Device memory is given back
+ordered after the copies that use it, never by blocking the host.
 
 The step ends once its copies are queued: no host sync. The next step's pipeline is given
 this one (``previous``): each copy in waits for the copy out that last wrote the host memory
@@ -39,47 +37,20 @@ otherwise ``abandon``s it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from swapopt_core._runtime import TransferRuntime
+from swapopt_core._swap.ops import SwapSlot
+from swapopt_core._swap.staging import Staged, Staging
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "Pipeline",
-    "StagedBatch",
-    "Staging",
-    "deferred_interrupt",
-    "run_pipeline",
-    "write_back",
-]
-
-
-class StagedBatch(Protocol):
-    """One batch on the device, as a backend's staging hands it over."""
-
-    views: dict[Any, Any]  #: device view of each slot
-    pairs: Sequence[tuple[Any, Any]]  #: (device, host) copies that move the batch
-    reuse_after: Any  #: ticket of the last copy that used this memory before, or None
-
-    @property
-    def copy_bytes(self) -> int: ...
-
-
-class Staging(Protocol):
-    """Allocates and frees each batch's device storage (one per backend and mode)."""
-
-    def begin(self, batches: Sequence[Sequence[Any]]) -> None: ...
-    def stage(self, index: int, slots: Sequence[Any]) -> StagedBatch: ...
-    def keep(self, staged: Any) -> None: ...
-    # Only for runtimes that report ``failure``: a batch released after its copy out failed.
-    def reclaim(self, staged: Any) -> None: ...
-    def unstage(self, staged: Any, after: Any = None) -> None: ...
-    def end(self) -> None: ...
+__all__ = ["Pipeline", "deferred_interrupt", "write_back"]
 
 
 _deferring = threading.local()
@@ -122,7 +93,7 @@ def deferred_interrupt() -> Iterator[None]:
             signal.raise_signal(signal.SIGINT)
 
 
-def write_back(kept: list[Any], staging: Staging, runtime: TransferRuntime) -> None:
+def write_back(kept: list[Staged], staging: Staging, runtime: TransferRuntime) -> None:
     """Copy batches kept on the device by an interrupted step to host memory, then free them.
 
     Each batch leaves ``kept`` only once its copy has finished; on failure the rest stay.
@@ -150,7 +121,7 @@ class Pipeline:
 
     def __init__(
         self,
-        batches: Sequence[Sequence[Hashable]],
+        batches: Sequence[Sequence[SwapSlot]],
         staging: Staging,
         runtime: TransferRuntime,
         previous: Pipeline | None = None,
@@ -167,15 +138,15 @@ class Pipeline:
             self.host_ready = [(ticket,) for ticket in previous.tickets]
         else:
             self.host_ready = [() if previous is None else tuple(previous.tickets)] * n
-        self.staged: list[StagedBatch | None] = [None] * n
+        self.staged: list[Staged | None] = [None] * n
         # Batches whose copy out is queued and whose memory was released after it.
-        self.left: list[StagedBatch | None] = [None] * n
+        self.left: list[Staged | None] = [None] * n
         self.tickets: list[Any] = [None] * n  # copy in, then copy out, of each batch
         self.began = False
         self.h2d = self.d2h = 0
         self.last_out: Any = None
 
-    def matches(self, batches: Sequence[Sequence[Hashable]]) -> bool:
+    def matches(self, batches: Sequence[Sequence[SwapSlot]]) -> bool:
         """Whether ``batches`` are the ones this pipeline was built for (same objects)."""
         return len(batches) == len(self.batches) and all(
             len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
@@ -202,7 +173,7 @@ class Pipeline:
             if batch is not None:
                 self.staged[j] = None
                 _quietly(
-                    lambda b=batch, t=self.tickets[j]: self.staging.unstage(b, t),
+                    functools.partial(self.staging.unstage, batch, self.tickets[j]),
                     "releasing a prefetched batch",
                 )
         if self.began:
@@ -220,12 +191,9 @@ class Pipeline:
         self.staged[j] = batch = self.staging.stage(j, self.batches[j])
         self._copy_in(j, batch)
 
-    def _copy_in(self, j: int, batch: StagedBatch) -> None:
-        # Written only after the copy that used this memory before, and after the host
-        # memory it reads was written by the previous step.
-        self.tickets[j] = self.runtime.copy_in(
-            batch.pairs, (batch.reuse_after, *self.host_ready[j])
-        )
+    def _copy_in(self, j: int, batch: Staged) -> None:
+        # Written only after the host memory it reads was written by the previous step.
+        self.tickets[j] = self.runtime.copy_in(batch.pairs, self.host_ready[j])
         self.h2d += batch.copy_bytes
 
     def refetch(self, j: int) -> None:
@@ -242,7 +210,7 @@ class Pipeline:
             self.staging.unstage(batch, self.tickets[j])
             self.left[j] = batch  # until its copy out is known to have landed
 
-    def reclaim(self, kept: list[Any]) -> None:
+    def reclaim(self, kept: list[Staged]) -> None:
         """Move the batches whose copy out failed where it ran into ``kept``.
 
         Their memory was released after that copy, so the runtime kept it: it holds the
@@ -251,7 +219,7 @@ class Pipeline:
         """
         for j, batch in enumerate(self.left):
             error = None if batch is None else self.runtime.failure(self.tickets[j])
-            if error is None:
+            if batch is None or error is None:
                 continue
             logger.warning(
                 "swapopt: the copy of batch %d of %d to host memory failed where it ran; "
@@ -268,7 +236,7 @@ class Pipeline:
                 self.last_out = None
             self.tickets[j] = None
 
-    def run(self, update: Callable[[int, dict[Any, Any]], None], kept: list[Any]) -> None:
+    def run(self, update: Callable[[int, dict[Any, Any]], None], kept: list[Staged]) -> None:
         """Run ``update`` over every batch with its state on the device.
 
         Args:
@@ -315,10 +283,11 @@ class Pipeline:
         self.began = False
         self.staging.end()
 
-    def _recover(self, unwritten: int | None, kept: list[Any]) -> None:
+    def _recover(self, unwritten: int | None, kept: list[Staged]) -> None:
         """After a failure: write back or keep the updated batch, then drain and free the rest."""
         if unwritten is not None:
             batch = self.staged[unwritten]
+            assert batch is not None
             self.staged[unwritten] = None
             self.staging.keep(batch)
             kept.append(batch)
@@ -328,31 +297,15 @@ class Pipeline:
             )
         # Nothing may still be reading device storage released below.
         _quietly(self.runtime.synchronize, "draining the copy queues")
-        # Before the leftovers go: a batch that reused the arena of one whose copy out
-        # failed must not give that arena back.
+        # The batches whose copy out failed where it ran join ``kept`` (their memory stays).
         self.reclaim(kept)
         self.last_out = None
         for index, leftover in enumerate(self.staged):
             if leftover is not None:
                 self.staged[index] = None
-                _quietly(lambda b=leftover: self.staging.unstage(b), "releasing a staged batch")
-
-
-def run_pipeline(
-    batches: Sequence[Sequence[Hashable]],
-    staging: Staging,
-    runtime: TransferRuntime,
-    update: Callable[[int, dict[Any, Any]], None],
-    kept: list[Any],
-) -> tuple[int, int]:
-    """Run one step's pipeline from start to end (see ``Pipeline.run``).
-
-    Returns:
-        Bytes copied host to device and device to host.
-    """
-    pipeline = Pipeline(batches, staging, runtime)
-    pipeline.run(update, kept)
-    return pipeline.h2d, pipeline.d2h
+                _quietly(
+                    functools.partial(self.staging.unstage, leftover), "releasing a staged batch"
+                )
 
 
 def _quietly(action: Callable[[], None], what: str) -> None:

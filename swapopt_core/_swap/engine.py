@@ -1,0 +1,384 @@
+"""What every swap engine is and does, whatever its framework: the step transaction.
+
+``swapopt_core._api`` talks to the engines only through ``EngineBase``: it asks each
+backend's engine class whether it ``serves`` an optimizer, builds that engine, and then
+calls ``install``, ``offload``, ``uninstall`` and ``stats`` on it.
+
+The step is written once, here (``run_step``): write back what an interrupted step kept,
+let the backend list the parameters to update (``open_step``), skip those an interrupted
+call with the same gradients finished, cut the rest into byte-balanced batches, and run them
+through the pipeline with an undo copy around each batch's update. What a framework does
+differently (how state is found, how a batch is updated) is the backend's ``StepWork`` and
+a few hooks; its tensor operations are its ``TensorOps``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import pluggy
+
+from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._runtime import TransferRuntime
+from swapopt_core._stats import SwapStats
+from swapopt_core._swap.ledger import DeviceLedger
+from swapopt_core._swap.ops import SwapSlot, Target, TensorOps
+from swapopt_core._swap.partition import partition
+from swapopt_core._swap.pipeline import Pipeline, deferred_interrupt, write_back
+from swapopt_core._swap.staging import PackedStaging, Staged, make_staging
+
+__all__ = ["ENGINE_ATTR", "EngineBase", "StepUnit", "StepWork", "engine_of"]
+
+#: The attribute under which an engine is installed on its optimizer.
+ENGINE_ATTR = "_swapopt_engine"
+
+
+class StepUnit(Protocol):
+    """One parameter taking part in a step, with its swapped slots."""
+
+    @property
+    def key(self) -> Hashable:
+        """Which parameter (the same across calls)."""
+
+    @property
+    def token(self) -> tuple[Any, ...]:
+        """What its update used (compared by identity, numbers by value): a retry skips the
+        unit if an interrupted call finished it with the same token."""
+
+    @property
+    def slots(self) -> Sequence[SwapSlot]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class StepWork(Protocol):
+    """One call of the step, as the backend prepared it (``EngineBase.open_step``)."""
+
+    @property
+    def identity(self) -> Hashable:
+        """Which call a retry must repeat to resume an interrupted step (MindSpore: the
+        gradients' ids; torch: ``None``, its units carry their gradients in ``token``)."""
+
+    @property
+    def units(self) -> Sequence[StepUnit]:
+        """The units the call updates, in order."""
+
+    def prepare(self) -> Any:
+        """The once-per-step values of a fresh step (run once, also if the step is resumed)."""
+
+    def changed(self, batch: Sequence[Any]) -> list[Target]:
+        """What the update of ``batch`` changes in place, with its device (the undo copy)."""
+
+    def update(self, batch: Sequence[Any], views: dict[Any, Any], prepared: Any) -> None:
+        """Update ``batch`` given a device view per slot; if it raises, the undo copy puts
+        the tensors of ``changed`` back and the backend restores anything else."""
+
+
+@dataclass
+class _Interrupted:
+    """The memory of a step that did not finish: a retry of the same call resumes it."""
+
+    identity: Hashable
+    prepared: Any
+    done: dict[Hashable, tuple[Any, ...]] = field(default_factory=dict)  # key -> token
+
+    def finished(self, unit: StepUnit) -> bool:
+        """Whether ``unit`` was updated by the interrupted call with what it has now."""
+        token = self.done.get(unit.key)
+        return token is not None and _same(token, unit.token)
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(
+        x is y or (type(x) is int and type(y) is int and x == y) for x, y in zip(a, b, strict=True)
+    )
+
+
+class EngineBase(ABC):
+    """A swap engine: the step transaction, the staging choice, traffic and ``SwapStats``.
+
+    Subclasses set ``framework``, implement ``tensor_ops`` and the abstract methods, and
+    expose their slots (objects with ``nbytes``) as ``slots``.
+    """
+
+    #: The tensor library served (``"torch"``, ``"mindspore"``): only runtimes and adapters
+    #: of the same ``framework`` are offered to this engine.
+    framework: ClassVar[str]
+    #: Appended to the log line of a successful install.
+    install_note: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        config: SwapOptimizerConfig,
+        adapter: Any,
+        runtime: TransferRuntime,
+        plugin_manager: pluggy.PluginManager,
+    ) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.adapter = adapter
+        self.runtime = runtime
+        self.plugin_manager = plugin_manager
+        self.ledger = DeviceLedger()
+        self.ops = self.tensor_ops(runtime)
+        self.staging = make_staging(runtime, self.ops, self.ledger, config.packed_swap)
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        self.steps = 0
+        self.last_batches = 0
+        #: Batches an interrupted step updated but could not copy back: kept on the device
+        #: until ``settle`` writes them back.
+        self.kept: list[Staged] = []
+        #: The last step was updated and counted, but an observer raised before all saw it.
+        self.observers_owed = False
+        #: The last step's pipeline while its copies may still run (``Pipeline`` has their
+        #: tickets); ``None`` once they are known to be done.
+        self.previous: Pipeline | None = None
+        self._interrupted: _Interrupted | None = None
+
+    # ---- what each backend implements --------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def serves(cls, optimizer: object) -> bool:
+        """Whether ``optimizer`` is of this engine's framework (without importing it)."""
+
+    @classmethod
+    @abstractmethod
+    def param_devices(cls, optimizer: Any) -> set[str]:
+        """Device types of ``optimizer``'s parameters, as runtimes list them in
+        ``device_types`` (torch ``"cuda"``, ``"cpu"``; MindSpore ``"Ascend"``, ``"CPU"``)."""
+
+    @classmethod
+    def runtime_serves(cls, runtime: TransferRuntime, optimizer: Any) -> bool:
+        """Whether ``runtime`` accepts the device of at least one of the parameters."""
+        return any(runtime.accepts(device) for device in cls.param_devices(optimizer))  # type: ignore[arg-type]
+
+    @staticmethod
+    @abstractmethod
+    def tensor_ops(runtime: TransferRuntime) -> TensorOps:
+        """The backend's tensor operations over ``runtime``."""
+
+    @property
+    @abstractmethod
+    def slots(self) -> dict[Any, Any]:
+        """The swapped slots by key."""
+
+    @abstractmethod
+    def install(self) -> None:
+        """Offload the state that exists, hook the step in and mark the optimizer."""
+
+    @abstractmethod
+    def uninstall(self) -> None:
+        """Move every swapped state back to its device and leave a plain optimizer."""
+
+    @abstractmethod
+    def offload(self) -> int:
+        """Take swappable state that is not in host memory there now.
+
+        Returns:
+            How many state tensors were moved.
+        """
+
+    @abstractmethod
+    def open_step(self, call: Any) -> StepWork:
+        """Check the call, bring the state in line and list the units to update."""
+
+    @abstractmethod
+    def publish(self, slot: Any) -> None:
+        """Make ``slot``'s state entry hold its ``host`` (which the layout just moved)."""
+
+    def computing(self) -> contextlib.AbstractContextManager[Any]:
+        """The context the batches are updated in (torch: ``no_grad``)."""
+        return contextlib.nullcontext()
+
+    def start_pipeline(self, plan: list[list[Any]]) -> Pipeline:
+        """The pipeline for this step's batches (the torch engine's may be prefetched)."""
+        return Pipeline(plan, self.staging, self.runtime, self.previous)
+
+    def step_queued(self, plan: list[list[Any]], resumed: bool) -> None:  # noqa: B027
+        """Every batch was updated and its copy out queued (may raise: the step is kept)."""
+
+    def step_failed(self) -> None:  # noqa: B027
+        """The pipeline raised, after its recovery; the error propagates after this."""
+
+    def host_changing(self) -> None:  # noqa: B027
+        """Host state is about to be rewritten under the engine (a write back): a backend
+        drops what it read from it ahead of time."""
+
+    # ---- the step transaction ------------------------------------------------------------
+
+    def run_step(self, call: Any) -> None:
+        """Run one swapped update of every unit ``open_step`` lists for ``call``.
+
+        If anything raises, each unit was updated completely or not at all, its state is
+        in host memory (or kept on the device until the next call) and the updated ones
+        are remembered: calling again with the same gradients finishes the step. A SIGINT
+        during the step is delivered when it ends.
+        """
+        with deferred_interrupt():
+            self.settle()
+            work = self.open_step(call)
+            memory = self._interrupted
+            fresh = memory is None or memory.identity != work.identity
+            if memory is None or fresh:
+                memory = _Interrupted(work.identity, work.prepare())
+            # From here on a retry of the same call must not prepare the step again.
+            self._interrupted = memory
+            units = [u for u in work.units if not memory.finished(u)]
+            resumed = not fresh and (len(units) < len(work.units) or not units)
+            runs = partition([u.nbytes for u in units], self.config.swap_times)
+            batches = [[units[k] for k in run] for run in runs]
+            plan = [[s for u in batch for s in u.slots] for batch in batches]
+            with self.computing():
+                pipeline = self._run_batches(work, memory, batches, plan, resumed)
+            # Until the observers have seen the step, a retry of the call only tells them again.
+            self.finish_step(pipeline.h2d, pipeline.d2h, len(batches), resumed=resumed)
+            self._interrupted = None
+
+    def _run_batches(
+        self,
+        work: StepWork,
+        memory: _Interrupted,
+        batches: list[list[StepUnit]],
+        plan: list[list[Any]],
+        resumed: bool,
+    ) -> Pipeline:
+        from swapopt_core._swap.undo import UndoArena
+
+        arena = UndoArena(self.ops, [work.changed(batch) for batch in batches])
+
+        def update(i: int, views: dict[Any, Any]) -> None:
+            saved = arena.save(work.changed(batches[i]))
+            try:
+                work.update(batches[i], views, memory.prepared)
+            except BaseException:
+                arena.restore(saved)
+                raise
+            for unit in batches[i]:
+                memory.done[unit.key] = unit.token
+
+        pipeline = self.start_pipeline(plan)
+        try:
+            try:
+                pipeline.run(update, self.kept)
+            finally:
+                arena.release()
+            # The step ends with its copies queued; the next one's copies in wait for these.
+            # A step without batches queued none: the copies before it are still the ones.
+            if pipeline.batches:
+                self.previous = pipeline
+            self.step_queued(plan, resumed)
+        except BaseException:
+            self.step_failed()
+            raise
+        return pipeline
+
+    # ---- host state and the copies in flight ---------------------------------------------
+
+    def lay_out(self, ordered: Sequence[SwapSlot]) -> None:
+        """Pack ``ordered`` into the host buffers if they changed (packed staging only)."""
+        if not isinstance(self.staging, PackedStaging):
+            return
+        plan = self.staging.plan(ordered)
+        if plan is None:
+            return
+        # The old buffers are read below: the last step's copies out may still be writing
+        # them, and a batch whose copy out failed is written back into them first.
+        self.quiesce()
+        for slot in self.staging.apply(ordered, plan):
+            self.publish(slot)
+
+    def settle(self) -> None:
+        """Write back what is kept on the device; first thing on every entry.
+
+        Kept are the batches an interrupted step updated but could not copy back, and those
+        of the last step whose copy out is known by now (without waiting) to have failed
+        where it ran.
+
+        Raises:
+            BaseException: The copy failed again; the batches stay kept.
+        """
+        if self.previous is not None:
+            self.previous.reclaim(self.kept)
+        if self.kept:
+            self.host_changing()
+            write_back(self.kept, self.staging, self.runtime)
+
+    def quiesce(self) -> None:
+        """Make host state final for a reader: wait for the copies, write back kept batches.
+
+        Raises:
+            BaseException: A kept batch could not be written back, or a copy failed.
+        """
+        self.wait_copies()
+        self.settle()
+
+    def wait_copies(self) -> None:
+        """Block until every queued copy finished.
+
+        A batch whose copy out failed where it ran is kept on the device from now on (and
+        counted as resident) until ``settle`` writes it back.
+        """
+        # The host copies are read (or rewritten) next: every copy into them must be done.
+        self.runtime.synchronize()
+        if self.previous is not None:
+            self.previous.reclaim(self.kept)
+        self.previous = None
+
+    @property
+    def last_out(self) -> Any:
+        """Ticket of the last step's last copy out (``None``: nothing in flight)."""
+        return None if self.previous is None else self.previous.last_out
+
+    # ---- reporting -------------------------------------------------------------------------
+
+    def finish_step(self, h2d: int, d2h: int, batches: int, *, resumed: bool = False) -> None:
+        """Count a completed step and tell the observers.
+
+        Args:
+            resumed: The call only finished a step an earlier call had updated completely
+                but whose observers raised: it is not counted again.
+        """
+        if not (resumed and self.observers_owed):
+            self.h2d_bytes += h2d
+            self.d2h_bytes += d2h
+            self.steps += 1
+            self.last_batches = batches
+        self.observers_owed = True
+        self.plugin_manager.hook.swapopt_after_step(optimizer=self.optimizer, stats=self.stats())
+        self.observers_owed = False
+
+    def host_state_bytes(self) -> int:
+        """Host bytes holding swapped state (packed buffers may hold more than the slots)."""
+        if isinstance(self.staging, PackedStaging) and self.staging.buffers:
+            return self.staging.host_bytes
+        return sum(slot.nbytes for slot in self.slots.values())
+
+    def stats(self) -> SwapStats:
+        """A snapshot of the memory and traffic of this engine."""
+        return SwapStats(
+            total_state_bytes=sum(slot.nbytes for slot in self.slots.values()),
+            resident_state_bytes=self.ledger.current,
+            peak_resident_state_bytes=self.ledger.peak,
+            host_state_bytes=self.host_state_bytes(),
+            pinned_host_bytes=self.runtime.pinned_bytes,
+            h2d_bytes=self.h2d_bytes,
+            d2h_bytes=self.d2h_bytes,
+            steps=self.steps,
+            swapped_tensors=len(self.slots),
+            batches=self.last_batches,
+            packed=self.staging.packed,
+            runtime=self.runtime.name,
+        )
+
+
+def engine_of(optimizer: object) -> EngineBase | None:
+    """The engine installed on ``optimizer`` (torch or MindSpore), if any."""
+    return getattr(optimizer, ENGINE_ATTR, None)

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from swapopt_core._engine_base import EngineBase
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._launch import warn_without_run
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._runtime import TransferRuntime
+from swapopt_core._swap.engine import EngineBase
 from swapopt_core.hookspecs import PROJECT, SwapOptSpecs
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ def engine_classes(manager: pluggy.PluginManager) -> list[type[EngineBase]]:
             if not (isinstance(engine, type) and issubclass(engine, EngineBase)):
                 raise SwapOptError(
                     f"A plugin registered {engine!r} as a swap engine; swapopt_register_engines "
-                    "must return subclasses of swapopt_core._engine_base.EngineBase (classes, "
+                    "must return subclasses of swapopt_core._swap.engine.EngineBase (classes, "
                     "not instances)."
                 )
             if engine not in engines:

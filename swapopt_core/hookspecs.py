@@ -17,11 +17,11 @@ import pluggy
 if TYPE_CHECKING:
     from swapopt_core._activations.runtime import ActivationRuntime
     from swapopt_core._config import SwapOptimizerConfig
-    from swapopt_core._engine_base import EngineBase
     from swapopt_core._mindspore.adapter import MindSporeAdapter
     from swapopt_core._planning.interface import ResidencyPlanner
     from swapopt_core._runtime import TransferRuntime
     from swapopt_core._stats import SwapStats
+    from swapopt_core._swap.engine import EngineBase
     from swapopt_core._torch.adapter import OptimizerAdapter
 
 PROJECT = "swapopt"
@@ -94,7 +94,7 @@ class SwapOptSpecs:
         later are asked first, so a plugin can take over a framework a built-in serves.
 
         Returns:
-            Engine classes, subclasses of ``swapopt_core._engine_base.EngineBase``.
+            Engine classes, subclasses of ``swapopt_core._swap.engine.EngineBase``.
         """
 
     @hookspec

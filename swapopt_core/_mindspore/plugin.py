@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
-from swapopt_core._engine_base import EngineBase
 from swapopt_core._mindspore.adapter import MindSporeAdapter
 from swapopt_core._mindspore.families import (
     MindFormersAdamWAdapter,
@@ -19,6 +18,7 @@ from swapopt_core._mindspore.families import (
 from swapopt_core._mindspore.loopback_async import MindSporeLoopbackAsyncRuntime
 from swapopt_core._mindspore.runtime import MindSporeAscendRuntime, MindSporeLoopbackRuntime
 from swapopt_core._runtime import TransferRuntime
+from swapopt_core._swap.engine import EngineBase
 from swapopt_core.hookspecs import hookimpl
 
 

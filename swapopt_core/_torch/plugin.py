@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from swapopt_core._engine_base import EngineBase
 from swapopt_core._runtime import TransferRuntime
+from swapopt_core._swap.engine import EngineBase
 from swapopt_core._torch.adam import TorchAdamAdapter
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.cuda import CudaRuntime

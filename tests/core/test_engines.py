@@ -18,9 +18,9 @@ from swapopt_core import (
     unswap_optimizer,
 )
 from swapopt_core._api import _engine_class
-from swapopt_core._engine_base import EngineBase, engine_of
 from swapopt_core._mindspore.engine import MindSporeSwapEngine
 from swapopt_core._plugins import engine_classes
+from swapopt_core._swap.engine import EngineBase, engine_of
 from swapopt_core._torch.engine import SwapEngine
 
 LOOPBACK = SwapOptimizerConfig(runtime="loopback")

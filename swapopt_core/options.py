@@ -5,8 +5,9 @@ flags are all read by one parser (``read_options`` with ``Option`` fields, and t
 ``SwapOptimizerConfig.from_options`` / ``OffloadConfig.from_options``), so a bad value gets
 the same kind of error wherever it is written. This module gives the integrations what they
 read: the parser's vocabulary, the ``SWAPOPT_*`` variables (``read_settings``,
-``SwapSettings``) and the ``swap_optimizer:`` section of a training YAML
-(``SwapOptimizerSection``). It imports no training framework.
+``SwapSettings``); the ``swap_optimizer:`` section of a MindFormers training YAML is read
+by ``swapopt_core.mindformers_yaml`` (``SwapOptimizerSection``) over the same parser. It
+imports no training framework.
 
 Settings (field name: environment variable):
 

@@ -21,7 +21,7 @@ from swapopt_core.callbacks import SwapCallbackCore, engine_refusal
 
 # ``install_globally()`` adds the callback to every Trainer (what ``swapopt run`` calls): it
 # sets ``SWAPOPT_LIGHTNING_AUTO=1`` when the ``SWAPOPT_*`` variables ask for a swap.
-from swapopt_plugins._integrations import enable_lightning_auto as install_globally
+from swapopt_core.options import enable_lightning_auto as install_globally
 
 try:
     import pytorch_lightning as _pl

@@ -18,7 +18,6 @@ it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import transformers.trainer as _hf_trainer
@@ -187,8 +186,7 @@ def install_globally() -> bool:
     Returns:
         Whether the callback is now added (False when the variables ask for nothing).
     """
-    settings = read_settings({}, owner="swapopt run", environ=os.environ)
-    if not settings.enabled and settings.activations is None:
+    if not read_settings({}, owner="swapopt run").requested:
         return False
     if _EnvSwapOptimizerCallback not in _hf_trainer.DEFAULT_CALLBACKS:
         _hf_trainer.DEFAULT_CALLBACKS.append(_EnvSwapOptimizerCallback)

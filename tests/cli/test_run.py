@@ -202,7 +202,7 @@ def test_integrations_are_registered_through_the_entry_point_group() -> None:
 
 
 def test_lightning_auto_follows_the_flags() -> None:
-    from swapopt_plugins._integrations import enable_lightning_auto
+    from swapopt_core.options import enable_lightning_auto
 
     env: dict[str, str] = {}
     assert not enable_lightning_auto(env) and "SWAPOPT_LIGHTNING_AUTO" not in env

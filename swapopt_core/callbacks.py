@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -39,12 +41,12 @@ from swapopt_core import (
     swap_optimizer,
     unswap_optimizer,
 )
-from swapopt_core._launch import note_nothing_to_swap
-from swapopt_core.options import read_settings
+from swapopt_core._launch import note_nothing_to_swap, warn_without_run
+from swapopt_core.options import auto_enabled, read_settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SwapCallbackCore"]
+__all__ = ["SwapCallbackCore", "engine_refusal", "note_swapped_by", "release"]
 
 _STATE_VERSION = 1
 _C = TypeVar("_C", bound="SwapCallbackCore")
@@ -57,6 +59,68 @@ def _check_type(owner: str, name: str, value: object, expected: type) -> None:
             f"{owner}({name}=...) must be a {expected.__name__} or None, got "
             f"{value!r}. Pass e.g. {name}={expected.__name__}(...), or None for the default."
         )
+
+
+#: What each engine that manages the optimizer state itself does with it.
+_ENGINES = {
+    "deepspeed": "DeepSpeed keeps the optimizer state inside its own ZeRO optimizer",
+    "megatron": "Megatron-LM keeps the optimizer state inside its own optimizer",
+    "fsdp-offload": "FSDP's CPU offload already keeps parameters, gradients and optimizer "
+    "state in host memory and steps there, so nothing is left on the device to swap",
+}
+
+
+def engine_refusal(
+    who: str, setting: str, engine: str, *, own_offload: str, instead: str, detail: str = ""
+) -> str:
+    """Why ``who`` refuses a framework setting whose engine manages optimizer state itself.
+
+    Args:
+        who: What refuses, e.g. ``"SwapOptimizerCallback"``.
+        setting: The framework's setting as the user wrote it, e.g. ``"DeepSpeedStrategy"``.
+        engine: ``"deepspeed"``, ``"megatron"`` or ``"fsdp-offload"``.
+        own_offload: How to get the engine's own offload instead of swapopt's.
+        instead: What to change to keep swapopt, e.g. ``"train with strategy='ddp'"``.
+        detail: Appended to the engine's sentence, e.g. what it offloads already.
+
+    Returns:
+        The message, for the framework's own exception type.
+    """
+    return (
+        f"{who} cannot run with {setting}: {_ENGINES[engine]}{detail}. Use {own_offload} "
+        f"without swapopt, or keep swapopt and {instead}."
+    )
+
+
+class _Owner(Protocol):
+    def forget(self, optimizer: object) -> None: ...
+
+
+# Optimizer -> what swapped it through ``note_swapped_by`` (e.g. an accelerator's prepare).
+# NOTE: weak both ways, so this registry never keeps an optimizer or its owner alive.
+_swapped_by: weakref.WeakKeyDictionary[Any, weakref.ref[_Owner]] = weakref.WeakKeyDictionary()
+
+
+def note_swapped_by(optimizer: object, owner: _Owner) -> None:
+    """Record that ``owner`` swapped ``optimizer``, so that ``release`` can take it back."""
+    _swapped_by[optimizer] = weakref.ref(owner)
+
+
+def release(optimizer: object) -> bool:
+    """Take back a swap recorded by ``note_swapped_by``: unswap ``optimizer`` (state back on
+    the device, a plain optimizer again) and tell its owner to ``forget`` it. A swap made
+    some other way (``swap_optimizer``, a callback) is left alone.
+
+    Returns:
+        Whether a recorded swap was removed.
+    """
+    ref = _swapped_by.pop(optimizer, None)
+    owner = None if ref is None else ref()
+    if owner is None or not is_swap_optimizer(optimizer):
+        return False
+    owner.forget(optimizer)
+    unswap_optimizer(optimizer)
+    return True
 
 
 class SwapCallbackCore:
@@ -118,6 +182,23 @@ class SwapCallbackCore:
         core = cls(settings.swap, activation_offload=settings.activations, auto=auto, owner=owner)
         core.swap_enabled = settings.enabled
         return core
+
+    @classmethod
+    def auto_callbacks(cls: type[_C]) -> list[_C]:
+        """What a framework's callbacks-factory entry point returns: ``[cls.from_environment()]``
+        with the swap on when ``SWAPOPT_LIGHTNING_AUTO`` is a yes word, else ``[]`` (and,
+        when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` asks for a swap this framework will
+        not make, the once-per-process warning to start the script through ``swapopt run``).
+
+        Raises:
+            ValueError: A ``SWAPOPT_*`` variable is invalid; the message names it.
+        """
+        if not auto_enabled(os.environ):
+            warn_without_run()
+            return []
+        callback = cls.from_environment(cls.__name__)
+        callback.swap_enabled = True  # SWAPOPT_LIGHTNING_AUTO asks for the swap itself
+        return [callback]
 
     def _reset_run(self) -> None:
         self._optimizers: list[torch.optim.Optimizer] = []

@@ -5,8 +5,9 @@ flags are all read by one parser (``read_options`` with ``Option`` fields, and t
 ``SwapOptimizerConfig.from_options`` / ``OffloadConfig.from_options``), so a bad value gets
 the same kind of error wherever it is written. This module gives the integrations what they
 read: the parser's vocabulary, the ``SWAPOPT_*`` variables (``read_settings``,
-``SwapSettings``) and the ``swap_optimizer:`` section of a training YAML
-(``SwapOptimizerSection``). It imports no training framework.
+``SwapSettings``); the ``swap_optimizer:`` section of a MindFormers training YAML is read
+by ``swapopt_core.mindformers_yaml`` (``SwapOptimizerSection``) over the same parser. It
+imports no training framework.
 
 Settings (field name: environment variable):
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -53,6 +54,7 @@ __all__ = [
     "Settings",
     "SwapSettings",
     "auto_enabled",
+    "enable_lightning_auto",
     "parse_bool",
     "parse_int",
     "parse_mib",
@@ -112,6 +114,11 @@ class Settings:
     def enabled(self) -> bool:
         """Whether optimizer state goes to host memory (``offload_optimizer_device=cpu``)."""
         return bool(self.values["offload_optimizer_device"] == "cpu")
+
+    @property
+    def requested(self) -> bool:
+        """Whether the settings ask for anything: the optimizer swap or an activation budget."""
+        return self.enabled or self.activations is not None
 
 
 def read_settings(
@@ -193,6 +200,34 @@ def auto_enabled(environ: Mapping[str, str]) -> bool:
             f"environment variable {AUTO_ENV}={raw!r} is invalid; accepted: a boolean "
             f"({'/'.join(YES + NO)})."
         ) from None
+
+
+def enable_lightning_auto(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Add the callback to every Lightning ``Trainer``: set ``SWAPOPT_LIGHTNING_AUTO=1``.
+
+    Done when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``, or when an activation budget is set
+    and the device variable does not say ``none`` (the callback then swaps the optimizer state
+    too). A ``SWAPOPT_LIGHTNING_AUTO`` the user set is left as it is and decides. The variable
+    is inherited by the processes the script starts (DDP workers).
+
+    Args:
+        environ: Where the variables are read and set. Default: ``os.environ``.
+
+    Returns:
+        Whether every Trainer now gets the callback.
+
+    Raises:
+        ValueError: A ``SWAPOPT_*`` variable is invalid; the message names it.
+    """
+    environ = os.environ if environ is None else environ
+    settings = read_settings({}, owner="swapopt run", environ=environ)
+    if environ.get(AUTO_ENV, "").strip():
+        return auto_enabled(environ)
+    device = environ.get(ENV_VARS["offload_optimizer_device"], "").strip().lower()
+    if not (settings.enabled or (settings.activations is not None and device != "none")):
+        return False
+    environ[AUTO_ENV] = "1"
+    return True
 
 
 @dataclass

@@ -14,46 +14,17 @@ import importlib
 import importlib.abc
 import importlib.util
 import logging
-import os
 import sys
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 from swapopt_core import hookimpl
-from swapopt_core.options import AUTO_ENV, ENV_VARS, auto_enabled, read_settings
+from swapopt_core.options import enable_lightning_auto, read_settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Integration", "accelerate", "enable_lightning_auto", "lightning", "transformers"]
-
-
-def enable_lightning_auto(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Add the callback to every Lightning ``Trainer``: set ``SWAPOPT_LIGHTNING_AUTO=1``.
-
-    Done when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``, or when an activation budget is set
-    and the device variable does not say ``none`` (the callback then swaps the optimizer state
-    too). A ``SWAPOPT_LIGHTNING_AUTO`` the user set is left as it is and decides. The variable
-    is inherited by the processes the script starts (DDP workers).
-
-    Args:
-        environ: Where the variables are read and set. Default: ``os.environ``.
-
-    Returns:
-        Whether every Trainer now gets the callback.
-
-    Raises:
-        ValueError: A ``SWAPOPT_*`` variable is invalid; the message names it.
-    """
-    environ = os.environ if environ is None else environ
-    settings = read_settings({}, owner="swapopt run", environ=environ)
-    if environ.get(AUTO_ENV, "").strip():
-        return auto_enabled(environ)
-    device = environ.get(ENV_VARS["offload_optimizer_device"], "").strip().lower()
-    if not (settings.enabled or (settings.activations is not None and device != "none")):
-        return False
-    environ[AUTO_ENV] = "1"
-    return True
+__all__ = ["Integration", "accelerate", "lightning", "transformers"]
 
 
 def _module_install(dotted: str) -> Callable[[], bool]:
@@ -151,8 +122,7 @@ class Integration:
             return None
         if not self._deferred:
             return self.name if self._install() else None
-        settings = read_settings({}, owner="swapopt run")  # a bad value stops swapopt run now
-        if not settings.enabled and settings.activations is None:
+        if not read_settings({}, owner="swapopt run").requested:  # a bad value stops it now
             return None
         if any(name in sys.modules for name in self.frameworks):
             return self.name if self._install() else None

@@ -4,8 +4,9 @@ Switched on at launch: ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu accelerate launch 
 swapopt run train.py`` makes every ``Accelerator`` swap (``install_globally`` puts this
 module's ``prepare`` and ``free_memory`` on the class), with no change to ``train.py``;
 ``SwapAccelerator`` has them as its own methods under plain ``accelerate launch``, and the
-module functions of the same names take an ``Accelerator`` created elsewhere. All three keep
-one ``_SwapState`` as ``accelerator._swapopt``: the settings (``SwapOptimizerPlugin``, whose
+module functions take an ``Accelerator`` created elsewhere. All three ways in are the same
+functions (``prepare``, ``free_memory``, ``load_state``, ``offload_session``) over one
+``_SwapState`` kept as ``accelerator._swapopt``: the settings (``SwapOptimizerPlugin``, whose
 ``None`` fields default from ``SWAPOPT_*``), the swapped optimizers and the activation session.
 The swap is installed in place on each ``AcceleratedOptimizer``'s inner optimizer, so
 schedulers, the gradient scaler and accumulation keep working; loading needs no patch (the
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import weakref
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from swapopt_core import (
     swap_optimizer,
     unswap_optimizer,
 )
+from swapopt_core.callbacks import engine_refusal, note_swapped_by, release
 from swapopt_core.options import SwapSettings
 
 logger = logging.getLogger(__name__)
@@ -72,19 +73,19 @@ def _check_supported(accelerator: Accelerator, plugin: SwapOptimizerPlugin) -> N
     """Refuse a distributed type that manages optimizer state itself (when the swap is on)."""
     kind = accelerator.distributed_type.value
     fsdp = getattr(accelerator.state, "fsdp_plugin", None)
-    if not plugin.enabled:
-        return
-    if kind in ("DEEPSPEED", "MEGATRON_LM"):
-        raise ValueError(
-            f"swapopt cannot swap optimizer state under distributed type {kind}: that engine "
-            "owns its optimizer. With DeepSpeed use its own offload (deepspeed_config: "
-            "offload_optimizer_device: cpu) and leave SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=none; "
-            "or train with DDP or FSDP2 (fsdp_version: 2) to use swapopt."
-        )
+    engine = {"DEEPSPEED": "deepspeed", "MEGATRON_LM": "megatron"}.get(kind)
     if kind == "FSDP" and getattr(getattr(fsdp, "cpu_offload", None), "offload_params", False):
+        engine, kind = "fsdp-offload", "FSDP cpu_offload=True"
+    if plugin.enabled and engine is not None:
         raise ValueError(
-            "swapopt cannot swap optimizer state with FSDP cpu_offload=True: parameters and "
-            "state already live on the CPU. Turn one of the two off."
+            engine_refusal(
+                "swapopt",
+                f"distributed type {kind}",
+                engine,
+                own_offload="the engine's own offload (deepspeed_config: "
+                "offload_optimizer_device: cpu) with SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=none",
+                instead="train with DDP or FSDP2 (fsdp_version: 2) without cpu_offload",
+            )
         )
 
 
@@ -108,43 +109,18 @@ class _SwapState:
                 logger.info("swapopt: %s was swapped already; kept", type(obj.optimizer).__name__)
             else:
                 swap_optimizer(obj.optimizer, config)
-                _swapped_by[obj.optimizer] = weakref.ref(self)
+                note_swapped_by(obj.optimizer, self)  # so that release() can take it back
             self.optimizers.append(obj)
 
-    def reoffload(self) -> None:
-        moved = sum(offload_optimizer_state(opt.optimizer) for opt in self.optimizers)
-        logger.debug("swapopt: %d optimizer state tensors offloaded after load_state", moved)
+    def forget(self, optimizer: object) -> None:
+        """Drop ``optimizer`` (unswapped by ``release``): the next ``prepare`` swaps it again."""
+        self.optimizers = [opt for opt in self.optimizers if opt.optimizer is not optimizer]
 
     def unswap(self) -> None:
         optimizers, self.optimizers, self.session = self.optimizers, [], None
         for opt in optimizers:
-            _swapped_by.pop(opt.optimizer, None)
-            unswap_optimizer(opt.optimizer)
-
-
-# Inner optimizer -> the accelerator state whose prepare() swapped it. NOTE: weak both ways,
-# so this registry never keeps an optimizer or an accelerator alive.
-_swapped_by: weakref.WeakKeyDictionary[Any, weakref.ref[_SwapState]] = weakref.WeakKeyDictionary()
-
-
-def release(optimizer: Any) -> bool:
-    """Take back the swap an accelerator's ``prepare`` installed on ``optimizer``.
-
-    ``optimizer`` is the torch optimizer (``accelerated_optimizer.optimizer``). Unswaps it
-    (state back on the device, a plain optimizer again) and drops it from that accelerator,
-    so that its next ``prepare`` swaps it again. An optimizer swapped some other way (by
-    ``swap_optimizer`` or a callback) is left alone.
-
-    Returns:
-        Whether a swap made by ``prepare`` was removed.
-    """
-    owner = _swapped_by.pop(optimizer, None)
-    state = None if owner is None else owner()
-    if state is None or not is_swap_optimizer(optimizer):
-        return False
-    state.optimizers = [opt for opt in state.optimizers if opt.optimizer is not optimizer]
-    unswap_optimizer(optimizer)
-    return True
+            if not release(opt.optimizer):  # kept ones, swapped before prepare, too
+                unswap_optimizer(opt.optimizer)
 
 
 def _state(accelerator: Accelerator, plugin: SwapOptimizerPlugin | None = None) -> _SwapState:
@@ -163,54 +139,58 @@ def _state(accelerator: Accelerator, plugin: SwapOptimizerPlugin | None = None) 
     return state
 
 
-def _swapping_prepare(
-    self: Accelerator, *args: Any, device_placement: list[bool] | None = None
-) -> Any:
-    """``Accelerator.prepare``, then swap each prepared optimizer (once)."""
-    if not isinstance(self, SwapAccelerator) and _installed is None:  # a patch since removed
-        return _OWN["prepare"](self, *args, device_placement=device_placement)
-    state = _state(self)
-    if isinstance(self, SwapAccelerator) or any(isinstance(a, torch.optim.Optimizer) for a in args):
-        _check_supported(self, state.plugin)
-    prepared = _OWN["prepare"](self, *args, device_placement=device_placement)
-    state.install(prepared)
-    return prepared
-
-
-def _swapping_free_memory(self: Accelerator, *objects: Any) -> Any:
-    """Unswap the optimizers swapped through this accelerator, then ``Accelerator.free_memory``."""
-    if _ATTR in self.__dict__:
-        _state(self).unswap()
-    return _OWN["free_memory"](self, *objects)
-
-
 def prepare(
     accelerator: Accelerator,
     *objects: Any,
     plugin: SwapOptimizerPlugin | None = None,
-    **kwargs: Any,
+    device_placement: list[bool] | None = None,
 ) -> Any:
-    """``accelerator.prepare(*objects, **kwargs)``, then swap every optimizer it prepared.
+    """``accelerator.prepare(*objects, ...)``, then swap every optimizer it prepared (once).
 
     ``plugin`` gives the accelerator its settings on first use (default: from the
-    environment); later calls keep them.
+    environment); later calls keep them. ``SwapAccelerator.prepare`` and the patch of
+    ``install_globally`` are this function.
 
     Raises:
-        ValueError: The swap is on and the distributed type manages optimizer state itself
-            (DeepSpeed, Megatron-LM, FSDP with CPU offload).
+        ValueError: The swap is on, an optimizer is prepared and the distributed type
+            manages optimizer state itself (DeepSpeed, Megatron-LM, FSDP with CPU offload).
     """
     state = _state(accelerator, plugin)
-    _check_supported(accelerator, state.plugin)
-    prepared = accelerator.prepare(*objects, **kwargs)
+    if any(isinstance(obj, torch.optim.Optimizer) for obj in objects):
+        _check_supported(accelerator, state.plugin)
+    prepared = _OWN["prepare"](accelerator, *objects, device_placement=device_placement)
     state.install(prepared)
     return prepared
 
 
-def load_state(accelerator: Accelerator, input_dir: str | None = None, **kwargs: Any) -> None:
-    """``accelerator.load_state(...)``, then the loaded optimizer state back to host memory."""
-    accelerator.load_state(input_dir, **kwargs)
+def _patched_prepare(
+    self: Accelerator, *args: Any, device_placement: list[bool] | None = None
+) -> Any:
+    """``Accelerator.prepare`` while ``install_globally`` is in force: the swapping one."""
+    if _installed is None:  # a reference taken to a patch since removed
+        return _OWN["prepare"](self, *args, device_placement=device_placement)
+    return prepare(self, *args, device_placement=device_placement)
+
+
+def free_memory(accelerator: Accelerator, *objects: Any) -> Any:
+    """Unswap the optimizers swapped through ``accelerator`` (a reference still held keeps
+    working, state back on the device), then Accelerate's ``free_memory(*objects)``."""
     if _ATTR in accelerator.__dict__:
-        _state(accelerator).reoffload()
+        _state(accelerator).unswap()
+    return _OWN["free_memory"](accelerator, *objects)
+
+
+def load_state(
+    accelerator: Accelerator,
+    input_dir: str | None = None,
+    load_kwargs: dict | None = None,
+    **kwargs: Any,
+) -> None:
+    """Accelerate's ``load_state(...)``, then the loaded optimizer state back to host memory."""
+    _OWN["load_state"](accelerator, input_dir, load_kwargs, **kwargs)
+    optimizers = _state(accelerator).optimizers if _ATTR in accelerator.__dict__ else []
+    moved = sum(offload_optimizer_state(opt.optimizer) for opt in optimizers)
+    logger.debug("swapopt: %d optimizer state tensors offloaded after load_state", moved)
 
 
 def offload_session(accelerator: Accelerator) -> OffloadSession:
@@ -232,19 +212,12 @@ def offload_session(accelerator: Accelerator) -> OffloadSession:
     return state.session
 
 
-def free_memory(accelerator: Accelerator, *objects: Any) -> Any:
-    """Unswap the optimizers swapped through ``accelerator`` (a reference still held keeps
-    working, state back on the device), then ``accelerator.free_memory(*objects)``."""
-    if _ATTR in accelerator.__dict__:
-        _state(accelerator).unswap()
-    return accelerator.free_memory(*objects)
-
-
 class SwapAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` swaps the optimizers' state to host memory.
 
     ``free_memory`` unswaps first, ``load_state`` takes the loaded state back to host memory
-    and ``offload_session()`` gives the session for the activation budget.
+    and ``offload_session()`` gives the session for the activation budget: each method is the
+    module function of the same name.
 
     Args:
         *args: As for ``Accelerator``.
@@ -271,16 +244,9 @@ class SwapAccelerator(Accelerator):
         """The swap settings of this accelerator."""
         return _state(self).plugin
 
-    prepare = _swapping_prepare  # type: ignore[assignment]
-    free_memory = _swapping_free_memory
-
-    def load_state(
-        self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
-    ) -> None:
-        """``Accelerator.load_state``, then the loaded optimizer state back to host memory."""
-        super().load_state(input_dir, load_kwargs, **kwargs)
-        _state(self).reoffload()
-
+    prepare = prepare  # type: ignore[assignment]
+    free_memory = free_memory
+    load_state = load_state
     offload_session = offload_session
 
 
@@ -305,8 +271,8 @@ def install_globally() -> bool:
     if not plugin.enabled:
         logger.debug("swapopt: SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE is not cpu; Accelerator unchanged")
         return False
-    Accelerator.prepare = _swapping_prepare  # type: ignore[method-assign]
-    Accelerator.free_memory = _swapping_free_memory  # type: ignore[method-assign]
+    Accelerator.prepare = _patched_prepare  # type: ignore[method-assign]
+    Accelerator.free_memory = free_memory  # type: ignore[method-assign]
     _installed = plugin
     logger.info("swapopt: every Accelerator swaps the optimizers it prepares (%s)", plugin)
     return True

@@ -15,15 +15,13 @@ installed, ``SwapOptimizerCallback`` names ``LightningSwapOptimizerCallback``.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from swapopt_core.callbacks import SwapCallbackCore
-from swapopt_core.options import auto_enabled
+from swapopt_core.callbacks import SwapCallbackCore, engine_refusal
 
 # ``install_globally()`` adds the callback to every Trainer (what ``swapopt run`` calls): it
 # sets ``SWAPOPT_LIGHTNING_AUTO=1`` when the ``SWAPOPT_*`` variables ask for a swap.
-from swapopt_plugins._integrations import enable_lightning_auto as install_globally
+from swapopt_core.options import enable_lightning_auto as install_globally
 
 try:
     import pytorch_lightning as _pl
@@ -60,6 +58,7 @@ _PLACEHOLDERS = frozenset(
 def _refusal(strategy: object) -> str | None:
     """Why ``strategy`` cannot be served, or None when it can."""
     names = {cls.__name__ for cls in type(strategy).__mro__}
+    kind, offload = type(strategy).__name__, getattr(strategy, "cpu_offload", None)
     if "DeepSpeedStrategy" in names:
         zero = (getattr(strategy, "config", None) or {}).get("zero_optimization", {})
         offloads = [
@@ -67,23 +66,21 @@ def _refusal(strategy: object) -> str | None:
             for key in ("offload_optimizer", "offload_param")
             if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"
         ]
-        already = f" and already offloads it ({', '.join(offloads)})" if offloads else ""
-        return (
-            f"SwapOptimizerCallback cannot run with {type(strategy).__name__}: DeepSpeed "
-            f"keeps the optimizer state inside its own ZeRO optimizer{already}. Use "
-            "DeepSpeedStrategy(offload_optimizer=True) without this callback, or keep the "
-            "callback and train with strategy='ddp' or FSDP without cpu_offload."
+        return engine_refusal(
+            "SwapOptimizerCallback",
+            kind,
+            "deepspeed",
+            detail=f" and already offloads it ({', '.join(offloads)})" if offloads else "",
+            own_offload="DeepSpeedStrategy(offload_optimizer=True)",
+            instead="train with strategy='ddp' or FSDP without cpu_offload",
         )
-    cpu_offload = getattr(strategy, "cpu_offload", None)
-    if "FSDPStrategy" in names and (
-        cpu_offload is True or getattr(cpu_offload, "offload_params", False)
-    ):
-        return (
-            f"SwapOptimizerCallback cannot run with {type(strategy).__name__}(cpu_offload="
-            f"{cpu_offload!r}): FSDP already keeps parameters, gradients and optimizer state "
-            "in host memory and steps there, so nothing is left on the device to swap. "
-            "Remove the callback, or set cpu_offload=False so the callback swaps only the "
-            "optimizer state."
+    if "FSDPStrategy" in names and (offload is True or getattr(offload, "offload_params", 0)):
+        return engine_refusal(
+            "SwapOptimizerCallback",
+            f"{kind}(cpu_offload={offload!r})",
+            "fsdp-offload",
+            own_offload="FSDP's cpu_offload",
+            instead="set cpu_offload=False so that only the optimizer state is swapped",
         )
     return None
 
@@ -212,22 +209,12 @@ else:  # pragma: no cover - only the unified `lightning` package installed
     SwapOptimizerCallback = LightningSwapOptimizerCallback  # type: ignore[assignment, misc]
 
 
-def _auto_callbacks(cls: type[_SwapHooks] | None) -> list[Any]:
-    """``[cls()]`` configured from the ``SWAPOPT_*`` variables when ``SWAPOPT_LIGHTNING_AUTO``
-    is a yes word, else ``[]``; raises ``ValueError`` naming a bad variable."""
-    if cls is None or not auto_enabled(os.environ):
-        return []
-    callback = cls.from_environment(cls.__name__)
-    callback.swap_enabled = True  # SWAPOPT_LIGHTNING_AUTO asks for the swap itself
-    return [callback]
-
-
 def callbacks_factory() -> list[Any]:
     """Entry point of ``pytorch_lightning.callbacks_factory``: the callback when
     ``SWAPOPT_LIGHTNING_AUTO=1``, configured from ``SWAPOPT_*`` variables; else ``[]``."""
-    return _auto_callbacks(SwapOptimizerCallback if _pl is not None else None)
+    return SwapOptimizerCallback.auto_callbacks() if _pl is not None else []
 
 
 def lightning_callbacks_factory() -> list[Any]:
     """Entry point of ``lightning.pytorch.callbacks_factory`` (see ``callbacks_factory``)."""
-    return _auto_callbacks(LightningSwapOptimizerCallback)
+    return LightningSwapOptimizerCallback.auto_callbacks() if _lp is not None else []

@@ -4,7 +4,7 @@ Importing this module registers ``SwapOptimizerCallback`` in MindFormers' regist
 training YAML can name it: ``callbacks: [{type: SwapOptimizerCallback, swap_times: 8}]``.
 The launcher ``python -m swapopt_plugins.mindformers --config train.yaml`` (``main``) also
 reads a top-level ``swap_optimizer:`` section, turns it into that callback entry
-(``swapopt_plugins._mindformers_config``, which needs no MindFormers) and starts MindFormers'
+(``swapopt_core.mindformers_yaml``, which needs no MindFormers) and starts MindFormers'
 pynative ``Trainer``. Only
 PyNative mode is served; in graph mode MindFormers has its own host-side optimizer state
 (``optimizer: {type: AdamW, swap: True}``).
@@ -26,7 +26,7 @@ from swapopt_core import (
     swap_optimizer,
     swap_stats,
 )
-from swapopt_plugins._mindformers_config import (
+from swapopt_core.mindformers_yaml import (
     GRAPH_HINT,
     SwapOptimizerSection,
     build_trainer_config,

@@ -18,7 +18,6 @@ it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import transformers.trainer as _hf_trainer
@@ -26,9 +25,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from swapopt_core import OffloadConfig, OffloadSession, SwapOptimizerConfig, SwapStats, swap_stats
-from swapopt_core.callbacks import SwapCallbackCore
+from swapopt_core.callbacks import SwapCallbackCore, engine_refusal, release
 from swapopt_core.options import read_settings
-from swapopt_plugins.accelerate import release
 
 __all__ = ["SwapOptimizerCallback", "install_globally"]
 
@@ -37,16 +35,23 @@ def _refuse(args: TrainingArguments) -> None:
     """Raise for the Trainer settings whose engine manages the optimizer state itself."""
     if args.deepspeed:
         raise ValueError(
-            f"SwapOptimizerCallback cannot run with TrainingArguments(deepspeed="
-            f"{args.deepspeed!r}): DeepSpeed keeps the optimizer state inside its own ZeRO "
-            "optimizer. Use DeepSpeed's offload_optimizer without this callback, or keep "
-            "the callback and drop deepspeed."
+            engine_refusal(
+                "SwapOptimizerCallback",
+                f"TrainingArguments(deepspeed={args.deepspeed!r})",
+                "deepspeed",
+                own_offload="DeepSpeed's offload_optimizer",
+                instead="drop deepspeed",
+            )
         )
     if any("offload" in str(option) for option in args.fsdp or ()):
         raise ValueError(
-            f"SwapOptimizerCallback cannot run with TrainingArguments(fsdp={args.fsdp!r}): "
-            "FSDP's offload already keeps optimizer state in host memory. Remove the "
-            "callback or the 'offload' option."
+            engine_refusal(
+                "SwapOptimizerCallback",
+                f"TrainingArguments(fsdp={args.fsdp!r})",
+                "fsdp-offload",
+                own_offload="FSDP's 'offload' option",
+                instead="remove the 'offload' option",
+            )
         )
 
 
@@ -181,8 +186,7 @@ def install_globally() -> bool:
     Returns:
         Whether the callback is now added (False when the variables ask for nothing).
     """
-    settings = read_settings({}, owner="swapopt run", environ=os.environ)
-    if not settings.enabled and settings.activations is None:
+    if not read_settings({}, owner="swapopt run").requested:
         return False
     if _EnvSwapOptimizerCallback not in _hf_trainer.DEFAULT_CALLBACKS:
         _hf_trainer.DEFAULT_CALLBACKS.append(_EnvSwapOptimizerCallback)

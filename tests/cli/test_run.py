@@ -202,7 +202,7 @@ def test_integrations_are_registered_through_the_entry_point_group() -> None:
 
 
 def test_lightning_auto_follows_the_flags() -> None:
-    from swapopt_plugins._integrations import enable_lightning_auto
+    from swapopt_core.options import enable_lightning_auto
 
     env: dict[str, str] = {}
     assert not enable_lightning_auto(env) and "SWAPOPT_LIGHTNING_AUTO" not in env
@@ -468,6 +468,28 @@ def test_lightning_module_without_optimizer_trains_and_is_told_once(tmp_path: Pa
     assert "global_step 3" in done.stdout
     assert done.stderr.count("nothing to swap") == 1, done.stderr
     assert NOTHING_SWAPPED not in done.stderr  # said once, by the callback
+
+
+def test_lightning_trainer_warns_with_the_flag_and_without_swapopt_run(tmp_path: Path) -> None:
+    # The callbacks-factory entry point runs for every Trainer; with the flag but without
+    # `swapopt run` (and without SWAPOPT_LIGHTNING_AUTO) it adds nothing, so it says once
+    # that this Trainer keeps its state on the device (docs/lightning.md).
+    pytest.importorskip("pytorch_lightning")
+    trainers = (
+        "import pytorch_lightning as pl\n"
+        "for _ in range(2):\n"
+        "    trainer = pl.Trainer(accelerator='cpu', logger=False, enable_progress_bar=False)\n"
+        "    print('CALLBACKS', sorted(type(c).__name__ for c in trainer.callbacks))\n"
+    )
+    command = [sys.executable, str(_script(tmp_path, trainers))]
+    done = _run(command, tmp_path, SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE="cpu")
+    assert done.returncode == 0 and done.stderr.count(IMPORT_WARNING) == 1, done.stderr
+    assert "SwapOptimizerCallback" not in done.stdout
+    for extra in ({"SWAPOPT_RUN": "1"}, {"SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE": "none"}):
+        done = _run(command, tmp_path, **{"SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE": "cpu", **extra})
+        assert done.returncode == 0 and IMPORT_WARNING not in done.stderr, (extra, done.stderr)
+    done = _run(command, tmp_path, SWAPOPT_LIGHTNING_AUTO="1")
+    assert done.returncode == 0 and done.stdout.count("SwapOptimizerCallback") == 2, done.stdout
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from swapopt_plugins._mindformers_config import build_trainer_config, read_context
+from swapopt_core.mindformers_yaml import build_trainer_config, read_context
 
 
 def _build(text: str) -> dict:

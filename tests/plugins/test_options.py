@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from swapopt_core import OffloadConfig, SwapOptimizerConfig
+from swapopt_core.mindformers_yaml import SwapOptimizerSection, build_trainer_config
 from swapopt_core.options import (
     AUTO_ENV,
     ENV_VARS,
@@ -27,7 +28,6 @@ from swapopt_core.options import (
     read_settings,
 )
 from swapopt_core.options import SwapSettings as SwapOptimizerPlugin
-from swapopt_plugins._mindformers_config import SwapOptimizerSection, build_trainer_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -231,7 +231,7 @@ _NO_FRAMEWORK = textwrap.dedent(
     from swapopt_core.callbacks import SwapCallbackCore
     from swapopt_core.options import SwapSettings as SwapOptimizerPlugin
     from swapopt_core.options import auto_enabled, read_settings
-    from swapopt_plugins._mindformers_config import SwapOptimizerSection, build_trainer_config
+    from swapopt_core.mindformers_yaml import SwapOptimizerSection, build_trainer_config
 
     environ = {"SWAPOPT_SWAP_TIMES": "3", "SWAPOPT_PACKED_SWAP": "yes",
                "SWAPOPT_ACTIVATION_BUDGET_MB": "2", "SWAPOPT_ACTIVATION_RUNTIME": "loopback"}

@@ -1,5 +1,8 @@
 """Where the MindFormers integration's config comes from, read without MindFormers.
 
+Framework-free like ``swapopt_core.options`` (whose parser it uses), so it is tested, and
+a training YAML checked, on machines without MindSpore.
+
 The ``swap_optimizer:`` section of a training YAML is ``enable`` plus the fields of
 ``SwapOptimizerConfig``. Those fields are read by the core's one parser
 (``SwapOptimizerConfig.from_options`` with ``framework="mindspore"``, which checks ``runtime``
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swapopt_core import SwapOptimizerConfig
-from swapopt_core.options import NO, YES, Option, parse_bool, read_options
+from swapopt_core._options import NO, YES, Option, parse_bool, read_options
 
 logger = logging.getLogger(__name__)
 
@@ -294,7 +297,7 @@ def read_command_line(
     )
     args = parser.parse_args(argv)
 
-    import yaml
+    import yaml  # type: ignore[import-untyped]  # PyYAML ships no type information
 
     for module in args.register:
         importlib.import_module(module)

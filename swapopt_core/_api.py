@@ -19,7 +19,8 @@ from swapopt_core._engine_base import EngineBase, engine_of
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._launch import note_swapped
 from swapopt_core._plugins import get_plugin_manager, optimizer_adapters, runtime_classes
-from swapopt_core._runtime import TransferRuntime
+from swapopt_core._device.interface import TransferRuntime
+from swapopt_core._device.registry import shared_runtime
 from swapopt_core._stats import SwapStats
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def _pick_runtime(
                 f"runtime. Choose one of {sorted(['auto', *runtimes])}, or register a plugin "
                 "that provides it (swapopt_register_runtimes)."
             )
-        return chosen()
+        return shared_runtime(chosen)
     types = engine_class.param_devices(optimizer)
     matching = {name: cls for name, cls in runtimes.items() if set(cls.device_types) & types}
     if len(matching) > 1:
@@ -81,7 +82,7 @@ def _pick_runtime(
         )
     if not matching:
         return None
-    return next(iter(matching.values()))()
+    return shared_runtime(next(iter(matching.values())))
 
 
 def _check_serves(engine_class: type[EngineBase], runtime: TransferRuntime, optimizer: Any) -> None:

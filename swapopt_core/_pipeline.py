@@ -45,7 +45,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
-from swapopt_core._runtime import TransferRuntime
+from swapopt_core._device.interface import TransferRuntime
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from swapopt_core._activations.prediction import fresh_bytes
 from swapopt_core._activations.recording import InferenceWatch, call_devices, fresh_outputs
 from swapopt_core._activations.replay_path import ReplayPath
 from swapopt_core._activations.residency import Residency
-from swapopt_core._activations.runtime import ActivationRuntime
+from swapopt_core._device.interface import TorchRuntime
 from swapopt_core._planning.ir import Access, AccessKind, TraceOp
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class Entry(Handover, ReplayPath):
 
     def __init__(self, executor: Executor, plan: Plan | None = None) -> None:
         self.executor = executor
-        self.runtime: ActivationRuntime | None = None  # chosen at the first op
+        self.runtime: TorchRuntime | None = None  # chosen at the first op
         self.residency: Residency | None = None
         self.budget = executor.budget_bytes
         self.min_offload = executor.min_offload_bytes
@@ -124,9 +124,10 @@ class Entry(Handover, ReplayPath):
 
     def _start(self, inputs: object) -> None:
         """The first op: take the runtime that serves the device its tensors are on."""
-        self.runtime, pool = self.executor.runtime_for(device_of(inputs))
+        device = device_of(inputs)
+        self.runtime, pool = self.executor.runtime_for(device)
         self.residency = Residency(self.runtime, pool)
-        self._check = self.runtime.begin_entry()
+        self._check = self.runtime.begin_entry(device)
         self.residency.regenerate = self._regenerate
         if self.replaying and not self.tables.track_all:
             # Nothing is registered (the plan has no action): the plan's peak stands for it.

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from swapopt_core._activations.runtime import ActivationRuntime
+from swapopt_core._device.interface import TorchRuntime, byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class HostPool:
     they are done: a finished one is preferred, and the host waits only when none is.
     """
 
-    def __init__(self, runtime: ActivationRuntime, cap_bytes: int) -> None:
+    def __init__(self, runtime: TorchRuntime, cap_bytes: int) -> None:
         self.runtime = runtime
         self.cap_bytes = cap_bytes
         self.allocated = 0
@@ -64,7 +64,7 @@ class HostPool:
             self._trim(self.allocated + nbytes - self.cap_bytes)
             if self.allocated + nbytes > self.cap_bytes:
                 return None
-        host = self.runtime.alloc_host(nbytes)
+        host = self.runtime.alloc_host(nbytes, torch.uint8)
         self.allocated += nbytes
         self.peak = max(self.peak, self.allocated)
         return host
@@ -122,7 +122,7 @@ class Tracked:
 class Residency:
     """Bookkeeping and moves for the activation storages of one session entry."""
 
-    def __init__(self, runtime: ActivationRuntime, pool: HostPool) -> None:
+    def __init__(self, runtime: TorchRuntime, pool: HostPool) -> None:
         self.runtime = runtime
         self.pool = pool
         self.by_storage: weakref.WeakKeyDictionary[torch.UntypedStorage, Tracked] = (
@@ -226,7 +226,7 @@ class Residency:
         host = entry.host
         if host.numel() != entry.nbytes:  # a buffer of the plan's larger size
             host = host[: entry.nbytes]
-        entry.d2h = self.runtime.copy_out(storage, host)
+        entry.d2h = self.runtime.copy_out([(byte_view(storage), host)])
         entry.host_valid = True
         self.d2h_bytes += entry.nbytes
         return True
@@ -263,7 +263,7 @@ class Residency:
         host = entry.host
         if host.numel() != entry.nbytes:  # a buffer of the plan's larger size
             host = host[: entry.nbytes]
-        ticket = self.runtime.copy_in(storage, host)
+        ticket = self.runtime.copy_in([(byte_view(storage), host)])
         # Marked resident only once the copy is issued: a failure before leaves it released.
         entry.h2d, entry.resident = ticket, True
         self.pending_in.add(entry.sid)

@@ -101,7 +101,7 @@ class MindSporeSwapEngine(EngineBase):
         return (
             str(state.dtype) in _FLOATS
             and int(state.size) >= self.config.min_numel
-            and self.runtime.accepts(param.device)
+            and self.runtime.serves(param.device)
         )
 
     def _ours(self, slot: Slot) -> bool:

@@ -15,7 +15,7 @@ from swapopt_core._mindspore.families import (
     NnAdamWeightDecayAdapter,
 )
 from swapopt_core._mindspore.runtime import MindSporeAscendRuntime, MindSporeLoopbackRuntime
-from swapopt_core._runtime import TransferRuntime
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core.hookspecs import hookimpl
 
 

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from swapopt_core._errors import SwapOptWarning
-from swapopt_core._runtime import TransferRuntime
+from swapopt_core._device.interface import TransferRuntime
 
 if TYPE_CHECKING:
+    import mindspore
     import numpy as np
 
 __all__ = ["MindSporeAscendRuntime", "MindSporeLoopbackRuntime", "MindSporeRuntime"]
@@ -25,7 +26,7 @@ __all__ = ["MindSporeAscendRuntime", "MindSporeLoopbackRuntime", "MindSporeRunti
 _warned_unverified = False
 
 
-class MindSporeRuntime(TransferRuntime):
+class MindSporeRuntime(TransferRuntime["mindspore.Tensor", Any, Any]):
     """A runtime whose tensors are ``mindspore.Tensor`` objects.
 
     Beyond ``TransferRuntime`` it knows how to carve a view out of a device buffer (packed
@@ -70,7 +71,7 @@ class MindSporeLoopbackRuntime(MindSporeRuntime):
     name = "loopback"
     device_types = ()
 
-    def accepts(self, device: Any) -> bool:
+    def serves(self, device: Any) -> bool:
         return str(device).upper().startswith("CPU")
 
     # Copies are plain memcpy through numpy views of the same memory: MindSpore's CPU
@@ -148,7 +149,7 @@ class MindSporeAscendRuntime(MindSporeRuntime):
             self._stream = ms.runtime.Stream()
         return self._stream
 
-    def accepts(self, device: Any) -> bool:
+    def serves(self, device: Any) -> bool:
         return str(device).startswith("Ascend")
 
     def alloc_host(self, numel: int, dtype: Any) -> Any:

@@ -17,7 +17,7 @@ from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
 from swapopt_core._partition import partition
 from swapopt_core._pipeline import Pipeline, deferred_interrupt
-from swapopt_core._runtime import TransferRuntime
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.bookkeeping import StateBook, Unit
 from swapopt_core._torch.checkpoint import CheckpointHooks
@@ -76,7 +76,7 @@ class SwapEngine(StateBook, EngineBase):
 
     @classmethod
     def runtime_serves(cls, runtime: TransferRuntime, optimizer: torch.optim.Optimizer) -> bool:
-        return any(runtime.accepts(torch.device(t)) for t in cls.param_devices(optimizer))
+        return any(runtime.serves(torch.device(t)) for t in cls.param_devices(optimizer))
 
     def install(self) -> None:
         opt = self.optimizer

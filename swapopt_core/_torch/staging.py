@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from swapopt_core._layout import DeviceLedger, plan_layout
-from swapopt_core._runtime import CopyPair, TransferRuntime
+from swapopt_core._device.interface import CopyPair, TransferRuntime
 from swapopt_core._torch.state import Slot, wrap_like
 
 __all__ = ["PackedStaging", "PerTensorStaging", "Staged", "release_all"]

@@ -19,7 +19,7 @@ from swapopt_core import (
     unswap_optimizer,
 )
 from swapopt_core._engine_base import engine_of
-from swapopt_core._lanes import CopyFailed, Lane, LaneSettings
+from swapopt_core._device.lanes import CopyFailed, Lane, LaneSettings
 from tests.conftest import assert_same, loss_of, make_model, train, twin
 
 

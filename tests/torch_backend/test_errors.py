@@ -18,7 +18,7 @@ from swapopt_core import (
     unswap_optimizer,
 )
 from swapopt_core._layout import DeviceLedger
-from swapopt_core._torch.loopback import LoopbackRuntime
+from swapopt_core._device.loopback import LoopbackRuntime
 from swapopt_core._torch.staging import PackedStaging
 from swapopt_core._torch.state import Slot
 

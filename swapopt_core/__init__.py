@@ -11,12 +11,12 @@ from swapopt_core._api import (
     unswap_optimizer,
 )
 from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._device.interface import CopyPair, TransferRuntime
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._mindspore import MindSporeAdapter
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 from swapopt_core._plugins import get_plugin_manager, new_plugin_manager, runtime_names
-from swapopt_core._device.interface import CopyPair, TransferRuntime
 from swapopt_core._stats import SwapStats
 from swapopt_core._torch.adapter import OptimizerAdapter, StateFactory
 from swapopt_core.hookspecs import hookimpl

@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._device.interface import TransferRuntime
+from swapopt_core._device.registry import shared_runtime
 from swapopt_core._engine_base import EngineBase, engine_of
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._launch import note_swapped
 from swapopt_core._plugins import get_plugin_manager, optimizer_adapters, runtime_classes
-from swapopt_core._device.interface import TransferRuntime
-from swapopt_core._device.registry import shared_runtime
 from swapopt_core._stats import SwapStats
 
 logger = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._layout import DeviceLedger
 from swapopt_core._pipeline import write_back
-from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._stats import SwapStats
 
 __all__ = ["ENGINE_ATTR", "EngineBase", "engine_of"]

@@ -12,9 +12,9 @@ from typing import Any
 
 import pluggy
 
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._planning.interface import ResidencyPlanner
-from swapopt_core._device.interface import TransferRuntime
 from swapopt_core.hookspecs import PROJECT, SwapOptSpecs
 
 logger = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ import pluggy
 
 if TYPE_CHECKING:
     from swapopt_core._config import SwapOptimizerConfig
+    from swapopt_core._device.interface import TransferRuntime
     from swapopt_core._mindspore.adapter import MindSporeAdapter
     from swapopt_core._planning.interface import ResidencyPlanner
-    from swapopt_core._device.interface import TransferRuntime
     from swapopt_core._stats import SwapStats
     from swapopt_core._torch.adapter import OptimizerAdapter
 

@@ -50,7 +50,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["AcceleratorRuntime", "StreamTicket"]
 
 
-
 @dataclass
 class StreamTicket:
     """Recorded events of one call's copies: one per device the copies touched.
@@ -186,7 +185,9 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
         # On the compute stream: freed blocks return to the pool forward and backward use.
         return torch.empty(numel, dtype=dtype, device=device)
 
-    def release_device(self, tensor: torch.Tensor, after: Sequence[StreamTicket | None] = ()) -> None:
+    def release_device(
+        self, tensor: torch.Tensor, after: Sequence[StreamTicket | None] = ()
+    ) -> None:
         for ticket in after:
             for stream, _event, _compute in ticket.marks if ticket is not None else ():
                 if stream.device == tensor.device:

@@ -234,7 +234,7 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
 
     def wait_stamps(self) -> None:
         """Make every stamp taken so far readable (called when ``stamps_need_sync``)."""
-        return None
+        return
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         """Milliseconds between two ``stamp`` results."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._mindspore.adapter import MindSporeAdapter
 from swapopt_core._mindspore.families import (
     MindFormersAdamWAdapter,
@@ -15,7 +16,6 @@ from swapopt_core._mindspore.families import (
     NnAdamWeightDecayAdapter,
 )
 from swapopt_core._mindspore.runtime import MindSporeAscendRuntime, MindSporeLoopbackRuntime
-from swapopt_core._device.interface import TransferRuntime
 from swapopt_core.hookspecs import hookimpl
 
 

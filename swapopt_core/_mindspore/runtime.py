@@ -14,11 +14,10 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from swapopt_core._errors import SwapOptWarning
 from swapopt_core._device.interface import TransferRuntime
+from swapopt_core._errors import SwapOptWarning
 
 if TYPE_CHECKING:
-    import mindspore
     import numpy as np
 
 __all__ = ["MindSporeAscendRuntime", "MindSporeLoopbackRuntime", "MindSporeRuntime"]

@@ -14,10 +14,10 @@ import pluggy
 import torch
 
 from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._engine_base import ENGINE_ATTR, EngineBase
 from swapopt_core._partition import partition
 from swapopt_core._pipeline import Pipeline, deferred_interrupt
-from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.bookkeeping import StateBook, Unit
 from swapopt_core._torch.checkpoint import CheckpointHooks

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from swapopt_core._layout import DeviceLedger, plan_layout
 from swapopt_core._device.interface import CopyPair, TransferRuntime
+from swapopt_core._layout import DeviceLedger, plan_layout
 from swapopt_core._torch.state import Slot, wrap_like
 
 __all__ = ["PackedStaging", "PerTensorStaging", "Staged", "release_all"]

@@ -19,6 +19,15 @@ CORE = Path(swapopt_core.__file__).parent
 NEUTRAL = (
     "_api",
     "_config",
+    "_device/__init__",
+    "_device/accelerator",
+    "_device/interface",
+    "_device/lanes",
+    "_device/loopback",
+    "_device/loopback_async",
+    "_device/pinned",
+    "_device/plugin",
+    "_device/registry",
     "_engine_base",
     "_errors",
     "_layout",
@@ -26,7 +35,6 @@ NEUTRAL = (
     "_partition",
     "_pipeline",
     "_plugins",
-    "_runtime",
     "_stats",
     "hookspecs",
 )

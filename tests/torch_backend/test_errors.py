@@ -17,8 +17,8 @@ from swapopt_core import (
     swap_stats,
     unswap_optimizer,
 )
-from swapopt_core._layout import DeviceLedger
 from swapopt_core._device.loopback import LoopbackRuntime
+from swapopt_core._layout import DeviceLedger
 from swapopt_core._torch.staging import PackedStaging
 from swapopt_core._torch.state import Slot
 

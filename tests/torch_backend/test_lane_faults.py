@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats, unswap_optimizer
-from swapopt_core._engine_base import engine_of
 from swapopt_core._device.lanes import CopyFailed
+from swapopt_core._engine_base import engine_of
 from tests.conftest import ASYNC_JITTER_US
 
 KEYS = {"step", "exp_avg", "exp_avg_sq"}

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats
-from swapopt_core._layout import DeviceLedger
 from swapopt_core._device.loopback import LoopbackRuntime
+from swapopt_core._layout import DeviceLedger
 from swapopt_core._torch.staging import PackedStaging
 from swapopt_core._torch.state import Slot
 

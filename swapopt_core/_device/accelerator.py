@@ -238,9 +238,14 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
     def wait(self, ticket: StreamTicket | None) -> None:
         for _stream, event, compute in ticket.marks if ticket is not None else ():
             # The compute stream the copy was issued from touches the copied memory (or
-            # frees it) only after the copy landed; no host block. That stream, not
-            # whichever is current: a storage may die while a side stream is current.
+            # frees its block) only after the copy landed; no host block. That stream even
+            # if another is current: a storage may die while a side stream is current.
             compute.wait_event(event)
+            current = torch.accelerator.current_stream(compute.device)
+            if current != compute:
+                # Work queued next on the current stream (an update run on another stream
+                # than the one that issued its copy in) reads the copy too.
+                current.wait_event(event)
 
     def host_wait(self, ticket: StreamTicket | None) -> None:
         for _stream, event, _compute in ticket.marks if ticket is not None else ():

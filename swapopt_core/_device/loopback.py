@@ -59,7 +59,7 @@ class LoopbackRuntime(TransferRuntime[torch.Tensor, torch.device, Any]):
             storage = free.pop() if free else None
         if storage is None:
             return torch.empty(numel, dtype=dtype, device=device)
-        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,))
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
 
     def release_device(self, tensor: torch.Tensor, after: Sequence[Any] = ()) -> None:
         self._recycle(tensor)
@@ -67,23 +67,25 @@ class LoopbackRuntime(TransferRuntime[torch.Tensor, torch.device, Any]):
     def _recycle(self, tensor: torch.Tensor) -> None:
         """Empty ``tensor`` and keep its memory for the next allocation of its size."""
         storage = tensor.untyped_storage()
-        tensor.set_()  # the tensor handed out is empty from now on
+        tensor.set_()  # type: ignore[call-overload]  # the tensor handed out is empty now
         if storage.nbytes():
             with self._pool_lock:
                 self._pool.setdefault(storage.nbytes(), []).append(storage)
 
-    def copy_in(self, pairs: Sequence[CopyPair], after: Sequence[Any] = ()) -> None:
+    def copy_in(self, pairs: Sequence[CopyPair], after: Sequence[Any] = ()) -> Any:
         for device_tensor, host_tensor in pairs:
             device_tensor.copy_(host_tensor)
-
-    def copy_out(self, pairs: Sequence[CopyPair]) -> None:
-        for device_tensor, host_tensor in pairs:
-            host_tensor.copy_(device_tensor)
-
-    def wait(self, ticket: object) -> None:
         return None
 
-    def host_wait(self, ticket: object) -> None:
+    def copy_out(self, pairs: Sequence[CopyPair]) -> Any:
+        for device_tensor, host_tensor in pairs:
+            host_tensor.copy_(device_tensor)
+        return None
+
+    def wait(self, ticket: Any) -> None:
+        return None
+
+    def host_wait(self, ticket: Any) -> None:
         return None  # every copy is done when its call returns
 
     def synchronize(self) -> None:

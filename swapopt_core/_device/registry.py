@@ -47,7 +47,7 @@ HOOK = "swapopt_register_runtimes"
 _LIVE: weakref.WeakValueDictionary[tuple[type, object], TransferRuntime[Any, Any, Any]] = (
     weakref.WeakValueDictionary()
 )
-_LIVE_LOCK = threading.Lock()
+_LIVE_LOCK = threading.RLock()  # a create may ask for another runtime
 
 
 def shared_runtime(

@@ -18,6 +18,7 @@ from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._errors import SwapOptWarning
 
 if TYPE_CHECKING:
+    import mindspore  # noqa: F401 - the base class's tensor type argument names it
     import numpy as np
 
 __all__ = ["MindSporeAscendRuntime", "MindSporeLoopbackRuntime", "MindSporeRuntime"]

@@ -72,7 +72,7 @@ def _current_device(device_type: str, name: str) -> torch.device:
         RuntimeError: That accelerator is not available; the message names the fix.
     """
     accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None or accelerator.type != device_type or not _available():
+    if accelerator is None or accelerator.type != device_type or not _available(device_type):
         raise RuntimeError(
             f"runtime={name!r} but {device_type.upper()} is not available. Use "
             "runtime='loopback' to run on the CPU, or 'auto' to follow the tensors."
@@ -80,8 +80,11 @@ def _current_device(device_type: str, name: str) -> torch.device:
     return torch.device(device_type, torch.accelerator.current_device_index())
 
 
-def _available() -> bool:
-    return bool(torch.accelerator.is_available())
+def _available(device_type: str) -> bool:
+    """Whether the backend says it can run now (``torch.cuda``, ``torch.xpu``, ``torch.mps``
+    and ``torch_npu``'s ``torch.npu`` each answer ``is_available``)."""
+    probe = getattr(getattr(torch, device_type, None), "is_available", None)
+    return bool(probe()) if callable(probe) else bool(torch.accelerator.is_available())
 
 
 @functools.cache

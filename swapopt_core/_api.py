@@ -72,6 +72,9 @@ def _pick_runtime(
                 f"runtime. Choose one of {sorted(['auto', *runtimes])}, or register a plugin "
                 "that provides it (swapopt_register_runtimes)."
             )
+        types = engine_class.param_devices(optimizer)
+        if types and chosen.device_types and not set(chosen.device_types) & types:
+            _refuse_named(chosen.name, types)  # before making it: its device may be absent
         return shared_runtime(chosen)
     types = engine_class.param_devices(optimizer)
     matching = {name: cls for name, cls in runtimes.items() if set(cls.device_types) & types}
@@ -89,12 +92,16 @@ def _check_serves(engine_class: type[EngineBase], runtime: TransferRuntime, opti
     """Refuse a named runtime that would swap nothing (``"auto"`` picks by device already)."""
     types = engine_class.param_devices(optimizer)
     if types and not engine_class.runtime_serves(runtime, optimizer):
-        raise ValueError(
-            f"SwapOptimizerConfig.runtime={runtime.name!r} swaps no state of this optimizer: "
-            f"its parameters are on {sorted(types)}, which the {runtime.name!r} runtime does "
-            "not serve. Move the model to that device before building the optimizer, or name "
-            "the runtime for where the parameters are ('auto', or 'loopback' on the CPU)."
-        )
+        _refuse_named(runtime.name, types)
+
+
+def _refuse_named(name: str, types: set[str]) -> None:
+    raise ValueError(
+        f"SwapOptimizerConfig.runtime={name!r} swaps no state of this optimizer: "
+        f"its parameters are on {sorted(types)}, which the {name!r} runtime does "
+        "not serve. Move the model to that device before building the optimizer, or name "
+        "the runtime for where the parameters are ('auto', or 'loopback' on the CPU)."
+    )
 
 
 def _pick_adapter(

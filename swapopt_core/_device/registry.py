@@ -31,6 +31,7 @@ __all__ = [
     "FALLBACK_RUNTIME",
     "RuntimeChoice",
     "choose_runtime",
+    "forget_shared_runtimes",
     "resolve_runtime",
     "shared_runtime",
 ]
@@ -64,6 +65,10 @@ def shared_runtime(
         TypeError: ``cls.create`` did not return an instance of the interface.
         RuntimeError: The runtime cannot run here (from ``create``).
     """
+    if cls.framework != "torch":
+        # Only torch runtimes serve two halves; the others stay one per owner, so an
+        # instance's whole pinned count (``pinned_nbytes``' default) stays its owner's.
+        return cls.create(device)
     key = (cls, cls.shared_key(device))
     with _LIVE_LOCK:
         runtime = _LIVE.get(key)
@@ -79,6 +84,16 @@ def shared_runtime(
         _LIVE[key] = made
     logger.debug("made the %s runtime for %s", cls.name, device)
     return made
+
+
+def forget_shared_runtimes() -> None:
+    """Forget the live instances: later requests make new ones (their owners keep theirs).
+
+    Tests call it between cases, so a fault one case injects into its runtime instance never
+    reaches the next case through a shared instance that is not yet collected.
+    """
+    with _LIVE_LOCK:
+        _LIVE.clear()
 
 
 def choose_runtime(

@@ -149,7 +149,9 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
         self.pinned_bytes += nbytes
         if key is not None:
             self._pinned[key] = nbytes
-        weakref.finalize(owner, self._uncount_pinned, nbytes, key)
+        # A weak reference: a buffer (which a queued copy may still hold) must not keep the
+        # runtime, its lanes and every buffer they hold alive.
+        weakref.finalize(owner, _uncount, weakref.ref(self), nbytes, key)
 
     def _uncount_pinned(self, nbytes: int, key: int | None = None) -> None:
         self.pinned_bytes -= nbytes
@@ -266,6 +268,15 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
             # The device buffer goes back once the last copy is done (waited above).
             self.release_device(on_device)
         return statistics.median(d2h[1:]), statistics.median(h2d[1:])
+
+
+def _uncount(
+    runtime: weakref.ref[TransferRuntime[Any, Any, Any]], nbytes: int, key: int | None
+) -> None:
+    """A counted buffer was freed: take it off its runtime's count, if the runtime lives."""
+    alive = runtime()
+    if alive is not None:
+        alive._uncount_pinned(nbytes, key)
 
 
 #: The interface as torch code uses it.

@@ -72,10 +72,13 @@ def _pick_runtime(
                 f"runtime. Choose one of {sorted(['auto', *runtimes])}, or register a plugin "
                 "that provides it (swapopt_register_runtimes)."
             )
-        types = engine_class.param_devices(optimizer)
-        if types and chosen.device_types and not set(chosen.device_types) & types:
-            _refuse_named(chosen.name, types)  # before making it: its device may be absent
-        return shared_runtime(chosen)
+        try:
+            return shared_runtime(chosen)
+        except RuntimeError:  # its device is absent: say first that it serves no parameter
+            types = engine_class.param_devices(optimizer)
+            if types and chosen.device_types and not set(chosen.device_types) & types:
+                _refuse_named(chosen.name, types)
+            raise
     types = engine_class.param_devices(optimizer)
     matching = {name: cls for name, cls in runtimes.items() if set(cls.device_types) & types}
     if len(matching) > 1:

@@ -13,7 +13,8 @@ Sections, in order, each with its own deadline inside one overall time budget:
   bandwidth measured with both directions at once) and the fully serialised sum.
 * ``offload``: an ``OffloadSession`` at 50 % of an MLP's natural activation peak (measured
   with ``torch.cuda.max_memory_allocated`` in a plain step): peak against budget, step time
-  against plain, gradients bitwise equal to plain.
+  against plain, gradients bitwise equal to plain; then a swapped AdamW steps with the
+  session and must drive the same runtime instance (one set of copy queues per device).
 
 A section that fails is recorded with its traceback and the next one runs; a section that
 no longer fits in the budget is recorded as skipped. Progress goes to stderr, one JSON
@@ -618,6 +619,7 @@ def section_offload(m: Machine, sizes: Sizes, deadline: float, ctx: dict) -> dic
     peak = max(peaks) if peaks else None
     return {
         "runtime": runtime,
+        "shares_swap_runtime": _shares_swap_runtime(offloaded, session, step, ctx),
         "model": f"{sizes.mlp_layers} x (Linear({sizes.mlp_width}), GELU), batch {sizes.mlp_batch}",
         "peak_source": peak_source,
         "natural_peak_bytes": natural,
@@ -632,6 +634,23 @@ def section_offload(m: Machine, sizes: Sizes, deadline: float, ctx: dict) -> dic
         "grads_equal_per_step": equal,
         "stats": dataclasses.asdict(stats),
     }
+
+
+def _shares_swap_runtime(model: nn.Module, session: Any, step: Callable, ctx: dict) -> bool:
+    """Whether a swapped AdamW on ``model`` and ``session`` drive one runtime instance."""
+    swapopt = ctx["swapopt"]
+    opt = torch.optim.AdamW(model.parameters())
+    config = swapopt.SwapOptimizerConfig(runtime=ctx["swap_runtime"])
+    swapopt.swap_optimizer(opt, config)
+    model.zero_grad(set_to_none=True)
+    with session:
+        step(model, 1.0)
+    opt.step()
+    engine = importlib.import_module("swapopt_core._engine_base").engine_of(opt)
+    shared = engine is not None and engine.runtime is session._executor.runtime
+    log(f"offload: the optimizer swap shares the session's runtime instance: {shared}")
+    swapopt.unswap_optimizer(opt)
+    return bool(shared)
 
 
 # --------------------------------------------------------------------------- driver
@@ -685,12 +704,14 @@ def _summary(sections: dict[str, dict]) -> dict[str, Any]:
         "offload_peak_over_budget": get("offload", "peak_over_budget"),
         "offload_step_over_plain": get("offload", "step_over_plain"),
         "offload_grads_bitwise_equal": get("offload", "grads_bitwise_equal"),
+        "offload_shares_swap_runtime": get("offload", "shares_swap_runtime"),
     }
     # Each check that ran must hold; a section left out with --only checks nothing.
     checks = {
         "cuda_tests": summary["cuda_tests_ok"],
         "adamw": get("adamw", "bitwise_equal"),
-        "offload": summary["offload_grads_bitwise_equal"],
+        "offload": summary["offload_grads_bitwise_equal"]
+        and summary["offload_shares_swap_runtime"],
     }
     summary["failed_checks"] = [k for k, v in checks.items() if k in ran and v is not True]
     summary["ok"] = not summary["sections_not_ok"] and not summary["failed_checks"]

@@ -131,7 +131,7 @@ class _RawLink:
     """
 
     def __init__(self, state_bytes: int, pieces: int, gbps: float, plain: Any) -> None:
-        lanes = importlib.import_module("swapopt_core._lanes")
+        lanes = importlib.import_module("swapopt_core._device.lanes")
         settings = lanes.LaneSettings(gbps=gbps)
         self.h2d, self.d2h = lanes.Lane("h2d", settings), lanes.Lane("d2h", settings)
         size = state_bytes // pieces

@@ -1,7 +1,6 @@
 """swapopt core: optimizer state and activations in host memory, brought back just in time."""
 
 from swapopt_core._activations.config import OffloadConfig
-from swapopt_core._activations.runtime import ActivationRuntime
 from swapopt_core._activations.session import OffloadSession, OffloadStats, skip_offload
 from swapopt_core._api import (
     is_swap_optimizer,
@@ -11,15 +10,18 @@ from swapopt_core._api import (
     unswap_optimizer,
 )
 from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._device.interface import CopyPair, TransferRuntime
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._mindspore import MindSporeAdapter
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 from swapopt_core._plugins import get_plugin_manager, new_plugin_manager, runtime_names
-from swapopt_core._runtime import CopyPair, TransferRuntime
 from swapopt_core._stats import SwapStats
 from swapopt_core._torch.adapter import OptimizerAdapter, StateFactory
 from swapopt_core.hookspecs import hookimpl
+
+#: The interface of the activation runtimes, which is the one every runtime implements.
+ActivationRuntime = TransferRuntime
 
 __all__ = [
     "ActivationRuntime",

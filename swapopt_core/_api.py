@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._device.interface import TransferRuntime
+from swapopt_core._device.registry import shared_runtime
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._launch import note_swapped
 from swapopt_core._plugins import (
@@ -23,7 +25,6 @@ from swapopt_core._plugins import (
     optimizer_adapters,
     runtime_classes,
 )
-from swapopt_core._runtime import TransferRuntime
 from swapopt_core._stats import SwapStats
 from swapopt_core._swap.engine import EngineBase, engine_of
 
@@ -83,7 +84,13 @@ def _pick_runtime(
                 f"runtime. Choose one of {sorted(['auto', *runtimes])}, or register a plugin "
                 "that provides it (swapopt_register_runtimes)."
             )
-        return chosen()
+        try:
+            return shared_runtime(chosen)
+        except RuntimeError:  # its device is absent: say first that it serves no parameter
+            types = engine_class.param_devices(optimizer)
+            if types and chosen.device_types and not set(chosen.device_types) & types:
+                _refuse_named(chosen.name, types)
+            raise
     types = engine_class.param_devices(optimizer)
     matching = {name: cls for name, cls in runtimes.items() if set(cls.device_types) & types}
     if len(matching) > 1:
@@ -93,7 +100,7 @@ def _pick_runtime(
         )
     if not matching:
         return None
-    return next(iter(matching.values()))()
+    return shared_runtime(next(iter(matching.values())))
 
 
 def _check_serves(
@@ -102,12 +109,16 @@ def _check_serves(
     """Refuse a named runtime that would swap nothing (``"auto"`` picks by device already)."""
     types = engine_class.param_devices(optimizer)
     if types and not engine_class.runtime_serves(runtime, optimizer):
-        raise ValueError(
-            f"SwapOptimizerConfig.runtime={runtime.name!r} swaps no state of this optimizer: "
-            f"its parameters are on {sorted(types)}, which the {runtime.name!r} runtime does "
-            "not serve. Move the model to that device before building the optimizer, or name "
-            "the runtime for where the parameters are ('auto', or 'loopback' on the CPU)."
-        )
+        _refuse_named(runtime.name, types)
+
+
+def _refuse_named(name: str, types: set[str]) -> None:
+    raise ValueError(
+        f"SwapOptimizerConfig.runtime={name!r} swaps no state of this optimizer: "
+        f"its parameters are on {sorted(types)}, which the {name!r} runtime does "
+        "not serve. Move the model to that device before building the optimizer, or name "
+        "the runtime for where the parameters are ('auto', or 'loopback' on the CPU)."
+    )
 
 
 def _pick_adapter(

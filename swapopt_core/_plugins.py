@@ -8,30 +8,27 @@ import importlib.metadata
 import logging
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._errors import SwapOptError, SwapOptWarning
 from swapopt_core._launch import warn_without_run
 from swapopt_core._planning.interface import ResidencyPlanner
-from swapopt_core._runtime import TransferRuntime
 from swapopt_core._swap.engine import EngineBase
 from swapopt_core.hookspecs import PROJECT, SwapOptSpecs
-
-if TYPE_CHECKING:
-    from swapopt_core._activations.runtime import ActivationRuntime
 
 logger = logging.getLogger(__name__)
 
 #: Entry-point group third-party plugins register under.
 ENTRY_POINT_GROUP = PROJECT
-#: The built-in plugins (one module per backend, one for the planners, one for the activation
-#: runtimes), registered like any third-party plugin.
+#: The built-in plugins (one module per backend, one for the planners, one for the torch
+#: runtimes of both halves), registered like any third-party plugin.
 DEFAULT_PLUGINS = (
     "swapopt_core._torch.plugin",
     "swapopt_core._planning.plugin",
-    "swapopt_core._activations.plugin",
+    "swapopt_core._device.plugin",
     "swapopt_core._mindspore.plugin",
 )
 #: Set to 1 to skip loading third-party plugins from entry points.
@@ -39,8 +36,6 @@ DISABLE_AUTOLOAD_ENV = "SWAPOPT_DISABLE_PLUGIN_AUTOLOAD"
 
 __all__ = [
     "ENTRY_POINT_GROUP",
-    "activation_runtime_names",
-    "activation_runtimes",
     "engine_classes",
     "get_plugin_manager",
     "new_plugin_manager",
@@ -104,26 +99,39 @@ def get_plugin_manager() -> pluggy.PluginManager:
 
 def runtime_classes(
     manager: pluggy.PluginManager, framework: str = "torch"
-) -> dict[str, type[TransferRuntime]]:
-    """Runtime classes of ``framework`` by name; a name registered twice is an error."""
-    found: dict[str, type[TransferRuntime]] = {}
+) -> dict[str, type[TransferRuntime[Any, Any, Any]]]:
+    """Runtime classes of ``framework`` by name, for both halves.
+
+    Raises:
+        SwapOptError: A plugin registered something else than a runtime class, a runtime
+            named ``"auto"`` or nothing, or two runtimes of one framework with one name.
+    """
+    found: dict[str, type[TransferRuntime[Any, Any, Any]]] = {}
     for batch in manager.hook.swapopt_register_runtimes():
         for runtime in batch:
             if not (isinstance(runtime, type) and issubclass(runtime, TransferRuntime)):
                 raise SwapOptError(
                     f"A plugin registered {runtime!r} as a runtime; swapopt_register_runtimes "
-                    "must return subclasses of swapopt_core.TransferRuntime."
+                    "must return subclasses of swapopt_core.TransferRuntime (classes, not "
+                    "instances)."
+                )
+            name = getattr(runtime, "name", None)
+            if not isinstance(name, str) or not name or name == "auto":
+                raise SwapOptError(
+                    f"The runtime {runtime.__module__}.{runtime.__qualname__} is named "
+                    f"{name!r}; give it a non-empty name other than 'auto'."
                 )
             if runtime.framework != framework:
                 continue
-            other = found.get(runtime.name)
+            other = found.get(name)
             if other is not None and other is not runtime:
                 raise SwapOptError(
-                    f"Two plugins register a {framework} runtime named {runtime.name!r}: "
+                    f"Two plugins register a {framework} runtime named {name!r}: "
                     f"{other.__module__}.{other.__qualname__} and "
-                    f"{runtime.__module__}.{runtime.__qualname__}. Unregister one of them."
+                    f"{runtime.__module__}.{runtime.__qualname__}. Give one another name (a "
+                    "subclass inherits its parent's) or unregister one of them."
                 )
-            found[runtime.name] = runtime
+            found[name] = runtime
     return found
 
 
@@ -217,44 +225,3 @@ def residency_planners(manager: pluggy.PluginManager) -> dict[str, ResidencyPlan
                 )
             found[planner.name] = planner
     return found
-
-
-def activation_runtimes(manager: pluggy.PluginManager) -> dict[str, type[ActivationRuntime]]:
-    """Activation runtime classes by name; a name registered twice is an error."""
-    # Imported here: the activation runtimes sit above this neutral module.
-    from swapopt_core._activations.runtime import ActivationRuntime
-
-    found: dict[str, type[ActivationRuntime]] = {}
-    for batch in manager.hook.swapopt_register_activation_runtimes():
-        for runtime in batch:
-            if not (isinstance(runtime, type) and issubclass(runtime, ActivationRuntime)):
-                raise SwapOptError(
-                    f"A plugin registered {runtime!r} as an activation runtime; "
-                    "swapopt_register_activation_runtimes must return subclasses of "
-                    "swapopt_core.ActivationRuntime (classes, not instances)."
-                )
-            name = runtime.name
-            if not isinstance(name, str) or not name or name == "auto":
-                raise SwapOptError(
-                    f"The activation runtime {runtime.__module__}.{runtime.__qualname__} is "
-                    f"named {name!r}; give it a non-empty name other than 'auto'."
-                )
-            other = found.get(name)
-            if other is not None and other is not runtime:
-                raise SwapOptError(
-                    f"Two plugins register an activation runtime named {name!r}: "
-                    f"{other.__module__}.{other.__qualname__} and "
-                    f"{runtime.__module__}.{runtime.__qualname__}. Give one another name "
-                    "(a subclass inherits its parent's) or unregister one of them."
-                )
-            found[name] = runtime
-    return found
-
-
-def activation_runtime_names(manager: pluggy.PluginManager | None = None) -> list[str]:
-    """``"auto"`` and the names of the registered activation runtimes, sorted.
-
-    Args:
-        manager: The plugin manager to ask. Default: ``get_plugin_manager()``.
-    """
-    return sorted({"auto", *activation_runtimes(manager or get_plugin_manager())})

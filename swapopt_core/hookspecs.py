@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from swapopt_core._activations.runtime import ActivationRuntime
     from swapopt_core._config import SwapOptimizerConfig
+    from swapopt_core._device.interface import TransferRuntime
     from swapopt_core._mindspore.adapter import MindSporeAdapter
     from swapopt_core._planning.interface import ResidencyPlanner
-    from swapopt_core._runtime import TransferRuntime
     from swapopt_core._stats import SwapStats
     from swapopt_core._swap.engine import EngineBase
     from swapopt_core._torch.adapter import OptimizerAdapter
@@ -43,17 +42,21 @@ class SwapOptSpecs:
     # ---- registration --------------------------------------------------------------------
 
     @hookspec
-    def swapopt_register_runtimes(self) -> Iterable[type[TransferRuntime]]:
-        """Contribute transfer runtimes.
+    def swapopt_register_runtimes(self) -> Iterable[type[TransferRuntime[Any, Any, Any]]]:
+        """Contribute transfer runtimes, for the optimizer swap and the activation offload.
 
-        Called at every ``swap_optimizer`` and by ``runtime_names()`` (which config
-        validation uses). Each runtime class carries a ``name``, unique within its
-        ``framework`` (what ``SwapOptimizerConfig.runtime`` selects), and the
-        ``device_types`` that ``runtime="auto"`` picks it for.
+        Called at every ``swap_optimizer``, when an ``OffloadSession`` is created (it
+        resolves ``OffloadConfig.runtime`` there, so an unknown name fails at once) and by
+        ``runtime_names()`` (which config validation uses). Each class carries a ``name``,
+        unique within its ``framework`` and never ``"auto"`` (what
+        ``SwapOptimizerConfig.runtime`` and ``OffloadConfig.runtime`` select), and the
+        ``device_types`` that ``runtime="auto"`` picks it for. Both halves share one instance
+        per device (``shared_key``), made by the classmethod ``create(device)``.
 
         Returns:
-            Runtime classes, subclasses of ``swapopt_core.TransferRuntime``; each serves the
-            optimizers of its ``framework`` (``"torch"`` or ``"mindspore"``).
+            Runtime classes, subclasses of ``swapopt_core.TransferRuntime`` (the interface,
+            with each method's contract, is in ``swapopt_core/_device/interface.py``); each
+            serves the tensors of its ``framework`` (``"torch"`` or ``"mindspore"``).
         """
 
     @hookspec
@@ -95,31 +98,6 @@ class SwapOptSpecs:
 
         Returns:
             Engine classes, subclasses of ``swapopt_core._swap.engine.EngineBase``.
-        """
-
-    @hookspec
-    def swapopt_register_activation_runtimes(self) -> Iterable[type[ActivationRuntime]]:
-        """Contribute activation-offload runtimes.
-
-        Called when an ``OffloadSession`` is created (it resolves ``OffloadConfig.runtime``
-        there, so an unknown name fails at once) and when ``OffloadConfig.from_options``
-        checks a runtime name. Each class carries a unique ``name`` (what
-        ``OffloadConfig.runtime`` selects) and the ``device_types`` (``torch.device.type``)
-        that ``runtime="auto"`` picks it for; ``"auto"`` uses ``"loopback"`` for device types
-        no runtime declares, and two runtimes declaring one type make ``"auto"`` refuse.
-
-        The session makes its runtime with the classmethod ``create(device)`` (``device`` is
-        ``None`` for a runtime selected by name) and calls the ``ActivationRuntime``
-        interface: ``serves(device)``, ``begin_entry()``, ``alloc_host(nbytes)``,
-        ``copy_out(storage, host)`` and ``copy_in(storage, host)`` (each returns a ticket,
-        ``None`` when done), ``wait(ticket)`` (the step's next ops come after the copy),
-        ``host_wait(ticket)`` (the host blocks until it is done), ``done(ticket)`` (whether
-        it finished, without blocking), ``synchronize()``,
-        ``stamp()``, ``elapsed_ms(start, end)`` and ``measure_bandwidth()``. The base class
-        is the synchronous loopback runtime; its docstrings hold each method's contract.
-
-        Returns:
-            Runtime classes, subclasses of ``swapopt_core.ActivationRuntime``.
         """
 
     # ---- integrations ----------------------------------------------------------------------

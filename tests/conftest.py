@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from swapopt_core import SwapOptimizerConfig, is_swap_optimizer, swap_optimizer, swap_stats
+from swapopt_core._device.registry import forget_shared_runtimes
 
 # MindFormers writes its logs under ./output at import; keep them out of the checkout.
 os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="swapopt-mindformers-"))
@@ -169,6 +170,15 @@ def assert_same(
             assert sa.keys() == sb.keys(), f"{where}: state keys {set(sa)} != {set(sb)}"
             for key in sa:
                 _same_value(sa[key], sb[key], f"state of {where}[{key!r}]")
+
+
+@pytest.fixture(autouse=True)
+def _own_runtime_instances() -> Iterator[None]:
+    """Each test starts without shared runtime instances: a fault one test injects into its
+    runtime (patching a method of the instance) cannot reach the next through sharing."""
+    forget_shared_runtimes()
+    yield
+    forget_shared_runtimes()
 
 
 #: The runtime ``loopback()`` configs name; the ``swap_runtime`` fixture switches it.

@@ -54,7 +54,7 @@ class OffloadConfig(OptionsConfig):
             ``swapopt_core._planning.interface.DEFAULT_PLANNER``, the built-in time-aware
             planner ``"timed"``. Default: "auto".
         runtime: Name of a registered activation runtime (plugins add them through
-            ``swapopt_register_activation_runtimes``; the session checks the name when it is
+            ``swapopt_register_runtimes``; the session checks the name when it is
             created). ``"auto"`` follows the activations: at an entry's first op, the runtime
             declaring the type of the device that op's tensors (or its ``device`` argument,
             as in ``x.to("cuda")``) are on, so the CUDA runtime for CUDA tensors, and
@@ -116,9 +116,9 @@ class OffloadConfig(OptionsConfig):
 
 def _runtime_names() -> list[str]:
     # Imported here: the plugin manager imports the activation runtimes, which import torch.
-    from swapopt_core._plugins import activation_runtime_names
+    from swapopt_core._plugins import runtime_names
 
-    return activation_runtime_names()
+    return runtime_names("torch")
 
 
 _MIB = Option(parse_mib(allow_none=False), f"a number of MiB >= 0 and below {2**43}")
@@ -129,7 +129,7 @@ _OPTIONS = {
     "runtime": Option(
         parse_choice(_runtime_names),
         "one of {choices} (the registered activation runtimes; a plugin adds one through "
-        "swapopt_register_activation_runtimes)",
+        "swapopt_register_runtimes)",
         _runtime_names,
     ),
     "min_offload_kib": Option(

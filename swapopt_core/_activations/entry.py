@@ -75,9 +75,10 @@ class Entry:
 
     def _start(self, inputs: object) -> None:
         """The first op: take the runtime that serves the device its tensors are on."""
-        runtime, pool = self.executor.runtime_for(device_of(inputs))
+        device = device_of(inputs)
+        runtime, pool = self.executor.runtime_for(device)
         self.scope.start(runtime, pool)
-        self._check = runtime.begin_entry()
+        self._check = runtime.begin_entry(device)
         if self.replay is not None:
             self.replay.start()
 

@@ -34,15 +34,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from swapopt_core._activations.config import OffloadConfig
-from swapopt_core._activations.cuda_runtime import CudaActivationRuntime
 from swapopt_core._activations.entry import Entry
 from swapopt_core._activations.plans import Plan, PlanBook, canonical, grown
 from swapopt_core._activations.recording import check_marks
 from swapopt_core._activations.replay_entry import ReplayEntry
 from swapopt_core._activations.residency import HostPool
-from swapopt_core._activations.runtime import ActivationRuntime, RuntimeChoice, resolve_runtime
 from swapopt_core._activations.scope import Scope
 from swapopt_core._activations.warmup import WarmupEntry
+from swapopt_core._device.interface import TorchRuntime
+from swapopt_core._device.loopback import LoopbackRuntime
+from swapopt_core._device.registry import RuntimeChoice, resolve_runtime, shared_runtime
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 
@@ -114,10 +115,10 @@ class Executor:
         self.min_offload_bytes = config.min_offload_bytes
         self.book = PlanBook()
         self.entry: Entry | None = None
-        self.runtime: ActivationRuntime | None = None
+        self.runtime: TorchRuntime | None = None
         self.pool: HostPool | None = None
         self.leaves: list[weakref.ref] = []  # leaf tensors the last recording hooked
-        self._bandwidth: tuple[ActivationRuntime, tuple[float, float]] | None = None
+        self._bandwidth: tuple[TorchRuntime, tuple[float, float]] | None = None
         self.counts = Counts()
 
     # ---- the plans -----------------------------------------------------------------------
@@ -279,10 +280,10 @@ class Executor:
     def _plan(self, scope: Scope, warmup: WarmupEntry) -> Plan:
         """Plan the step a recording warmup traced; the new plan is kept."""
         runtime = scope.runtime if scope.started else None
-        if isinstance(runtime, CudaActivationRuntime):
-            # Op durations are read from events: they must all have completed.
-            torch.cuda.synchronize(runtime.device)
-        d2h, h2d = self._bandwidths(runtime or self.runtime or ActivationRuntime())
+        if runtime is not None and runtime.stamps_need_sync:
+            # Op durations are read from device events: they must all have completed.
+            runtime.wait_stamps()
+        d2h, h2d = self._bandwidths(runtime or self.runtime or shared_runtime(LoopbackRuntime))
         trace = ActivationTrace(
             tuple(warmup.trace_ops()),
             warmup.storage_sizes(),
@@ -334,7 +335,7 @@ class Executor:
 
     # ---- the runtime ---------------------------------------------------------------------
 
-    def runtime_for(self, device: torch.device) -> tuple[ActivationRuntime, HostPool]:
+    def runtime_for(self, device: torch.device) -> tuple[TorchRuntime, HostPool]:
         """The runtime and host pool for an entry whose first tensor is on ``device``.
 
         With ``runtime="auto"`` they follow the activations: an entry whose tensors are on
@@ -347,11 +348,11 @@ class Executor:
             logger.info("activation offload: %s runtime for tensors on %s", runtime.name, device)
         return runtime, pool
 
-    def _use(self, runtime: ActivationRuntime) -> tuple[ActivationRuntime, HostPool]:
+    def _use(self, runtime: TorchRuntime) -> tuple[TorchRuntime, HostPool]:
         self.runtime, self.pool = runtime, HostPool(runtime, self.config.host_cap_bytes)
         return self.runtime, self.pool
 
-    def _bandwidths(self, runtime: ActivationRuntime) -> tuple[float, float]:
+    def _bandwidths(self, runtime: TorchRuntime) -> tuple[float, float]:
         """D2H and H2D bandwidth of ``runtime``, measured once."""
         if self._bandwidth is None or self._bandwidth[0] is not runtime:
             self._bandwidth = (runtime, runtime.measure_bandwidth())
@@ -359,10 +360,10 @@ class Executor:
 
 
 def _builtin_runtimes(name: str) -> RuntimeChoice:
-    """``name`` resolved against the built-in runtimes (``_activations/plugin.py``)."""
-    from swapopt_core._activations.plugin import swapopt_register_activation_runtimes
+    """``name`` resolved against the built-in runtimes (``_device/plugin.py``)."""
+    from swapopt_core._device.plugin import swapopt_register_runtimes
 
-    return resolve_runtime(name, {c.name: c for c in swapopt_register_activation_runtimes()})
+    return resolve_runtime(name, {c.name: c for c in swapopt_register_runtimes()})
 
 
 def _without(schedule: ResidencySchedule, pinned: AbstractSet[int]) -> ResidencySchedule:

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from swapopt_core._activations.recording import live_refusal
 from swapopt_core._activations.residency import Tracked
-from swapopt_core._activations.runtime import byte_view
+from swapopt_core._device.interface import byte_view
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swapopt_core._activations.quiet import Quiet
-from swapopt_core._activations.runtime import ActivationRuntime
+from swapopt_core._device.interface import TorchRuntime, byte_view
 
 if TYPE_CHECKING:
     from swapopt_core._activations.recipe import Recipe
@@ -42,7 +42,7 @@ class HostPool:
     they are done: a finished one is preferred, and the host waits only when none is.
     """
 
-    def __init__(self, runtime: ActivationRuntime, cap_bytes: int) -> None:
+    def __init__(self, runtime: TorchRuntime, cap_bytes: int) -> None:
         self.runtime = runtime
         self.cap_bytes = cap_bytes
         self.allocated = 0
@@ -68,7 +68,7 @@ class HostPool:
             self._trim(self.allocated + nbytes - self.cap_bytes)
             if self.allocated + nbytes > self.cap_bytes:
                 return None
-        host = self.runtime.alloc_host(nbytes)
+        host = self.runtime.alloc_host(nbytes, torch.uint8)
         self.allocated += nbytes
         self.peak = max(self.peak, self.allocated)
         return host
@@ -133,9 +133,7 @@ class Residency:
             page-in when a storage is untracked). Default: one of its own.
     """
 
-    def __init__(
-        self, runtime: ActivationRuntime, pool: HostPool, quiet: Quiet | None = None
-    ) -> None:
+    def __init__(self, runtime: TorchRuntime, pool: HostPool, quiet: Quiet | None = None) -> None:
         self.runtime = runtime
         self.pool = pool
         self.quiet = quiet if quiet is not None else Quiet()
@@ -239,7 +237,7 @@ class Residency:
         host = entry.host
         if host.numel() != entry.nbytes:  # a buffer of the plan's larger size
             host = host[: entry.nbytes]
-        entry.d2h = self.runtime.copy_out(storage, host)
+        entry.d2h = self.runtime.copy_out([(byte_view(storage), host)])
         entry.host_valid = True
         self.d2h_bytes += entry.nbytes
         return True
@@ -277,7 +275,7 @@ class Residency:
         storage.resize_(entry.nbytes)
         if host.numel() != entry.nbytes:  # a buffer of the plan's larger size
             host = host[: entry.nbytes]
-        ticket = self.runtime.copy_in(storage, host)
+        ticket = self.runtime.copy_in([(byte_view(storage), host)])
         # Marked resident only once the copy is issued: a failure before leaves it released.
         entry.h2d, entry.resident = ticket, True
         self.pending_in.add(entry.sid)

@@ -19,7 +19,7 @@ import torch
 from swapopt_core._activations.gradients import GradientWatch
 from swapopt_core._activations.quiet import Quiet
 from swapopt_core._activations.residency import HostPool, Residency, Tracked
-from swapopt_core._activations.runtime import ActivationRuntime
+from swapopt_core._device.interface import TorchRuntime
 from swapopt_core._planning.ir import AccessKind
 
 __all__ = ["Open", "Scope", "away_bytes"]
@@ -51,7 +51,7 @@ class Scope:
             that starts in the middle of a step hooks them too).
     """
 
-    runtime: ActivationRuntime
+    runtime: TorchRuntime
     residency: Residency
     gradients: GradientWatch
 
@@ -62,7 +62,7 @@ class Scope:
         self.quiet = Quiet()
         self.started = False
 
-    def start(self, runtime: ActivationRuntime, pool: HostPool) -> None:
+    def start(self, runtime: TorchRuntime, pool: HostPool) -> None:
         """The first op: its runtime and the host pool that goes with it."""
         self.runtime = runtime
         self.residency = Residency(runtime, pool, self.quiet)

@@ -19,7 +19,7 @@ from swapopt_core import _launch
 from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.entry import Entry
 from swapopt_core._activations.executor import Counts, Executor
-from swapopt_core._activations.runtime import RuntimeChoice, resolve_runtime
+from swapopt_core._device.registry import RuntimeChoice, resolve_runtime
 from swapopt_core._planning.interface import ResidencyPlanner, resolve_planner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 
@@ -259,9 +259,9 @@ def _planner(config: OffloadConfig, manager: pluggy.PluginManager) -> ResidencyP
 
 
 def _runtimes(config: OffloadConfig, manager: pluggy.PluginManager) -> RuntimeChoice:
-    from swapopt_core._plugins import activation_runtimes
+    from swapopt_core._plugins import runtime_classes
 
-    runtimes = activation_runtimes(manager)
+    runtimes = runtime_classes(manager, "torch")
     return resolve_runtime(config.runtime, runtimes, label="OffloadConfig.runtime")
 
 

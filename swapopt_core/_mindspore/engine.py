@@ -17,12 +17,12 @@ from typing import Any
 import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._errors import SwapOptError
 from swapopt_core._mindspore import is_mindspore_optimizer
 from swapopt_core._mindspore.adapter import GraphCache, MindSporeAdapter
 from swapopt_core._mindspore.runtime import MindSporeRuntime
 from swapopt_core._mindspore.state import MindSporeTensorOps, Slot
-from swapopt_core._runtime import TransferRuntime
 from swapopt_core._swap.engine import ENGINE_ATTR, EngineBase
 from swapopt_core._swap.ops import Target
 
@@ -122,7 +122,7 @@ class MindSporeSwapEngine(EngineBase):
         return (
             str(state.dtype) in _FLOATS
             and int(state.size) >= self.config.min_numel
-            and self.runtime.accepts(param.device)
+            and self.runtime.serves(param.device)
         )
 
     def _ours(self, slot: Slot) -> bool:

@@ -1,7 +1,7 @@
 """MindSpore's asynchronous loopback: worker threads play the device's two copy streams.
 
 As in ``loopback``, CPU buffers play the device and separate CPU buffers the host, but
-every copy is queued on a lane (``swapopt_core._lanes``, the lanes torch's
+every copy is queued on a lane (``swapopt_core._device.lanes``, the lanes torch's
 ``loopback-async`` runs on): host-to-device copies on one thread, device-to-host copies on
 another, each in queue order, while the step goes on. A ticket is the lane's point after
 the copy. Compute is MindSpore's PyNative queue, which runs ops on a worker thread of its
@@ -23,7 +23,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from swapopt_core._lanes import Lane, LaneSettings, Ticket, wait_all
+from swapopt_core._device.lanes import Lane, LaneSettings, Ticket, wait_all
 from swapopt_core._mindspore.runtime import MindSporeLoopbackRuntime, drain_compute
 
 if TYPE_CHECKING:

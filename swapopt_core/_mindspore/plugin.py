@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._mindspore.adapter import MindSporeAdapter
 from swapopt_core._mindspore.families import (
     MindFormersAdamWAdapter,
@@ -17,7 +18,6 @@ from swapopt_core._mindspore.families import (
 )
 from swapopt_core._mindspore.loopback_async import MindSporeLoopbackAsyncRuntime
 from swapopt_core._mindspore.runtime import MindSporeAscendRuntime, MindSporeLoopbackRuntime
-from swapopt_core._runtime import TransferRuntime
 from swapopt_core._swap.engine import EngineBase
 from swapopt_core.hookspecs import hookimpl
 

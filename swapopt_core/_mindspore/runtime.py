@@ -15,10 +15,11 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._errors import SwapOptWarning
-from swapopt_core._runtime import TransferRuntime
 
 if TYPE_CHECKING:
+    import mindspore  # noqa: F401 - the base class's tensor type argument names it
     import numpy as np
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
 _warned_unverified = False
 
 
-class MindSporeRuntime(TransferRuntime):
+class MindSporeRuntime(TransferRuntime["mindspore.Tensor", Any, Any]):
     """A runtime whose tensors are ``mindspore.Tensor`` objects.
 
     Beyond ``TransferRuntime`` it knows how to carve a view out of a device buffer (packed
@@ -86,7 +87,7 @@ class MindSporeLoopbackRuntime(MindSporeRuntime):
         self._pool: dict[int, list[np.ndarray]] = {}  # free raw byte buffers by size
         self._pool_lock = threading.Lock()  # the asynchronous loopback recycles on its lanes
 
-    def accepts(self, device: Any) -> bool:
+    def serves(self, device: Any) -> bool:
         return str(device).upper().startswith("CPU")
 
     # Copies are plain memcpy through numpy views of the same memory: MindSpore's CPU
@@ -181,7 +182,7 @@ class MindSporeAscendRuntime(MindSporeRuntime):
             self._stream = ms.runtime.Stream()
         return self._stream
 
-    def accepts(self, device: Any) -> bool:
+    def serves(self, device: Any) -> bool:
         return str(device).startswith("Ascend")
 
     def alloc_host(self, numel: int, dtype: Any) -> Any:

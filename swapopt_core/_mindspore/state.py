@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._mindspore.runtime import MindSporeRuntime
-from swapopt_core._runtime import TransferRuntime
 from swapopt_core._swap.ops import Saved
 
 __all__ = ["MindSporeTensorOps", "Slot"]

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Protocol
 import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
-from swapopt_core._runtime import TransferRuntime
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._stats import SwapStats
 from swapopt_core._swap.ledger import DeviceLedger
 from swapopt_core._swap.ops import SwapSlot, Target, TensorOps
@@ -157,8 +157,8 @@ class EngineBase(ABC):
 
     @classmethod
     def runtime_serves(cls, runtime: TransferRuntime, optimizer: Any) -> bool:
-        """Whether ``runtime`` accepts the device of at least one of the parameters."""
-        return any(runtime.accepts(device) for device in cls.param_devices(optimizer))  # type: ignore[arg-type]
+        """Whether ``runtime`` serves the device of at least one of the parameters."""
+        return any(runtime.serves(device) for device in cls.param_devices(optimizer))  # type: ignore[arg-type]
 
     @staticmethod
     @abstractmethod
@@ -368,7 +368,7 @@ class EngineBase(ABC):
             resident_state_bytes=self.ledger.current,
             peak_resident_state_bytes=self.ledger.peak,
             host_state_bytes=self.host_state_bytes(),
-            pinned_host_bytes=self.runtime.pinned_bytes,
+            pinned_host_bytes=self.runtime.pinned_nbytes(s.host for s in self.slots.values()),
             h2d_bytes=self.h2d_bytes,
             d2h_bytes=self.d2h_bytes,
             steps=self.steps,

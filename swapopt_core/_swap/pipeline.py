@@ -44,7 +44,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from swapopt_core._runtime import TransferRuntime
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._swap.ops import SwapSlot
 from swapopt_core._swap.staging import Staged, Staging
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._errors import SwapOptError
-from swapopt_core._runtime import TransferRuntime
 from swapopt_core._swap.layout import LayoutPlan, plan_layout
 from swapopt_core._swap.ledger import DeviceLedger
 from swapopt_core._swap.ops import SwapSlot, TensorOps

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from swapopt_core._config import SwapOptimizerConfig
-from swapopt_core._runtime import TransferRuntime
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.state import Slot, local_tensor, wrap_like
 
@@ -90,7 +90,7 @@ class StateBook:
         return (
             dtype.is_floating_point
             and numel >= self.config.min_numel
-            and self.runtime.accepts(local_tensor(param).device)
+            and self.runtime.serves(local_tensor(param).device)
         )
 
     def unswapped(self) -> int:

@@ -17,7 +17,7 @@ import pluggy
 import torch
 
 from swapopt_core._config import SwapOptimizerConfig
-from swapopt_core._runtime import TransferRuntime
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._swap.engine import ENGINE_ATTR, EngineBase
 from swapopt_core._swap.pipeline import Pipeline
 from swapopt_core._torch.adapter import OptimizerAdapter
@@ -83,7 +83,7 @@ class SwapEngine(EngineBase):
 
     @classmethod
     def runtime_serves(cls, runtime: TransferRuntime, optimizer: torch.optim.Optimizer) -> bool:
-        return any(runtime.accepts(torch.device(t)) for t in cls.param_devices(optimizer))
+        return any(runtime.serves(torch.device(t)) for t in cls.param_devices(optimizer))
 
     def install(self) -> None:
         opt = self.optimizer

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from swapopt_core._runtime import TransferRuntime
+from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._swap.pipeline import Pipeline
 from swapopt_core._torch.state import Slot
 

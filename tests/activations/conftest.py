@@ -12,7 +12,7 @@ from swapopt_core import (
     hookimpl,
     new_plugin_manager,
 )
-from swapopt_core._lanes import ENV_GBPS, ENV_JITTER_US
+from swapopt_core._device.lanes import ENV_GBPS, ENV_JITTER_US
 from swapopt_core._planning.ir import AccessKind, ActionKind
 
 #: Each op queued on a ``loopback-async`` lane first sleeps a random 0..JITTER_US

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from swapopt_core import OffloadConfig, OffloadSession
-from swapopt_core._activations.runtime import ActivationRuntime
+from swapopt_core._device.loopback import LoopbackRuntime
 from tests.activations.test_session import Net, _batch, _opaque_block
 
 SITES = ("forward", "backward", "copy_out", "copy_in", "host_cap", "restore")
@@ -100,7 +100,7 @@ def _session(manager, faults: Faults, site: str, planner: str = "every-gap") -> 
         min_offload_kib=0,
     )
     session = OffloadSession(config, plugin_manager=manager)
-    runtime = ActivationRuntime()  # a real loopback runtime, its copies wrapped
+    runtime = LoopbackRuntime()  # a real loopback runtime, its copies wrapped
     runtime.copy_out = faults.wrap("copy_out", runtime.copy_out)
     copy_in = faults.wrap("copy_in", runtime.copy_in)
     restore = faults.wrap("restore", runtime.copy_in)
@@ -215,10 +215,10 @@ def test_host_memory_exhaustion_keeps_activations_on_the_device(manager) -> None
         ),
         plugin_manager=manager,
     )
-    runtime = ActivationRuntime()
+    runtime = LoopbackRuntime()
     calls = itertools.count()
 
-    def alloc_host(nbytes: int) -> torch.Tensor:
+    def alloc_host(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         if nbytes < 2**20 and next(calls) % 2:  # not the bandwidth probe at the warmup
             raise MemoryError("injected")
         return torch.empty(nbytes, dtype=torch.uint8)

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from swapopt_core import OffloadConfig, OffloadSession, skip_offload
-from swapopt_core._activations import cuda_runtime as runtime_module
-from swapopt_core._activations.cuda_runtime import CudaActivationRuntime
-from swapopt_core._activations.runtime import ActivationRuntime
+from swapopt_core._device import accelerator as runtime_module
+from swapopt_core._device.accelerator import AcceleratorRuntime
+from swapopt_core._device.interface import byte_view
+from swapopt_core._device.loopback import LoopbackRuntime
 from tests.activations.test_session import Net, Wide, _batch, _grads, _step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,15 +275,15 @@ def test_skip_offload_regions_replay_under_a_binding_budget(
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict:
     """Streams are plain objects; which one is current and whether it captures is ours."""
     state = {"current": "main", "capturing": False}
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["current"])
+    monkeypatch.setattr(torch, "Stream", lambda device=None: object())
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: state["current"])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
     return state
 
 
 def test_cuda_ops_on_a_side_stream_or_in_a_capture_are_refused(fake_cuda: dict) -> None:
-    runtime = CudaActivationRuntime(torch.device("cuda", 0))
-    check = runtime.begin_entry()
+    runtime = AcceleratorRuntime(torch.device("cuda", 0))
+    check = runtime.begin_entry(torch.device("cuda", 0))
     check()  # the entry's own stream: fine
     fake_cuda["current"] = "side"
     with pytest.raises(RuntimeError, match="on CUDA stream side, but the session's entry"):
@@ -292,16 +293,17 @@ def test_cuda_ops_on_a_side_stream_or_in_a_capture_are_refused(fake_cuda: dict) 
     with pytest.raises(RuntimeError, match="CUDA graph was being captured"):
         check()
     with pytest.raises(RuntimeError, match="CUDA graph was being captured"):
-        runtime.begin_entry()  # an entry that starts inside a capture
+        runtime.begin_entry(torch.device("cuda", 0))  # an entry that starts inside a capture
 
 
-class _Ordered(ActivationRuntime):
+class _Ordered(LoopbackRuntime):
     """Loopback copies with the CUDA runtime's ordering check, on a fake stream."""
 
     def __init__(self, state: dict) -> None:
+        super().__init__()
         self.state = state
 
-    def begin_entry(self):  # noqa: ANN201
+    def begin_entry(self, device):  # noqa: ANN001, ANN201
         start = self.state["current"]
 
         def check() -> None:
@@ -342,9 +344,9 @@ def test_page_locking_is_tried_once_and_warned_once(
         return torch.empty(numel, dtype=dtype), 712  # cudaErrorHostMemoryAlreadyRegistered
 
     monkeypatch.setattr(runtime_module, "alloc_pinned", failing)
-    runtime = CudaActivationRuntime(torch.device("cuda", 0))
+    runtime = AcceleratorRuntime(torch.device("cuda", 0))
     with caplog.at_level(logging.WARNING, logger=runtime_module.__name__):
-        buffers = [runtime.alloc_host(n) for n in (16, 32, 64)]
+        buffers = [runtime.alloc_host(n, torch.uint8) for n in (16, 32, 64)]
     assert [b.numel() for b in buffers] == [16, 32, 64]
     assert calls == [16]
     assert sum("cudaHostRegister failed" in r.message for r in caplog.records) == 1
@@ -360,13 +362,18 @@ def test_cuda_copies_keep_blocks_by_events_not_record_stream(
         def record_event(self) -> str:
             return "event"
 
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
     recorded = []
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: recorded.append(s))
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: torch.no_grad())
-    runtime = CudaActivationRuntime(torch.device("cuda", 0))
-    runtime.d2h, runtime.h2d = Stream(), Stream()
+    monkeypatch.setattr(torch, "Stream", lambda device=None: Stream())
+    runtime = AcceleratorRuntime(torch.device("cuda", 0))
     storage = torch.arange(8, dtype=torch.float32).untyped_storage()
     host = torch.empty(storage.nbytes(), dtype=torch.uint8)
-    assert runtime.copy_out(storage, host) == "event"
-    assert runtime.copy_in(storage, host) == "event"
+    assert runtime.copy_out([(byte_view(storage), host)]).marks[0][1] == "event"
+    assert runtime.copy_in([(byte_view(storage), host)]).marks[0][1] == "event"
     assert recorded == []

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from swapopt_core._activations.async_runtime import AsyncLoopbackRuntime
 from swapopt_core._activations.residency import HostPool, Residency
-from swapopt_core._lanes import LaneSettings
+from swapopt_core._device.lanes import LaneSettings
+from swapopt_core._device.loopback_async import LoopbackAsyncRuntime
 
 #: Slow enough that a 4 MiB copy is still running when the next line runs (about 40 ms).
 _SLOW = LaneSettings(gbps=0.1)
@@ -15,7 +15,7 @@ _NBYTES = 4 * 2**20
 
 
 def _residency() -> tuple[Residency, torch.Tensor]:
-    runtime = AsyncLoopbackRuntime(_SLOW)
+    runtime = LoopbackAsyncRuntime(_SLOW)
     residency = Residency(runtime, HostPool(runtime, 1 << 30))
     tensor = torch.arange(_NBYTES, dtype=torch.uint8)
     residency.track(tensor.untyped_storage(), 1, 0)

@@ -9,17 +9,14 @@ import pytest
 import torch
 
 from swapopt_core import OffloadConfig, OffloadSession
-from swapopt_core._activations.async_runtime import AsyncLoopbackRuntime
 from swapopt_core._activations.calls import device_of
-from swapopt_core._activations.cuda_runtime import CudaActivationRuntime
-from swapopt_core._activations.runtime import (
-    ActivationRuntime,
-    byte_view,
-    choose_runtime,
-    resolve_runtime,
-)
-from swapopt_core._lanes import ENV_GBPS, ENV_JITTER_US, LaneSettings
-from swapopt_core._plugins import activation_runtimes, get_plugin_manager, new_plugin_manager
+from swapopt_core._device.accelerator import AcceleratorRuntime
+from swapopt_core._device.interface import TorchRuntime, byte_view
+from swapopt_core._device.lanes import ENV_GBPS, ENV_JITTER_US, LaneSettings
+from swapopt_core._device.loopback import LoopbackRuntime
+from swapopt_core._device.loopback_async import LoopbackAsyncRuntime
+from swapopt_core._device.registry import choose_runtime, resolve_runtime
+from swapopt_core._plugins import get_plugin_manager, new_plugin_manager, runtime_classes
 from swapopt_core.hookspecs import hookimpl
 from tests.activations.test_session import Wide
 
@@ -56,9 +53,9 @@ def test_auto_offloads_cpu_activations_where_cuda_is_available(cuda_claimed: Non
 
 def test_auto_follows_the_device_of_the_first_tensor(cuda_claimed: None) -> None:
     for device in ("cpu", "meta"):
-        assert type(choose_runtime("auto", torch.device(device))) is ActivationRuntime
-    assert type(choose_runtime("loopback")) is ActivationRuntime
-    assert type(choose_runtime("loopback-async")) is AsyncLoopbackRuntime
+        assert type(choose_runtime("auto", torch.device(device))) is LoopbackRuntime
+    assert type(choose_runtime("loopback")) is LoopbackRuntime
+    assert type(choose_runtime("loopback-async")) is LoopbackAsyncRuntime
     cpu, meta, cuda = torch.ones(2), torch.ones(2, device="meta"), torch.device("cuda", 1)
     assert device_of(((cpu, meta), {})) == torch.device("cpu")
     assert device_of(((cpu,), {"device": cuda})) == cuda  # x.to("cuda") makes CUDA activations
@@ -78,13 +75,14 @@ def test_cuda_without_cuda_fails_at_entry_and_names_the_fix(monkeypatch) -> None
 # ---- runtimes from plugins ---------------------------------------------------------------
 
 
-class _Xpu(ActivationRuntime):
+class _Xpu(LoopbackRuntime):
     """A runtime for a device type no built-in serves, made for the device it is given."""
 
     name = "xpu-test"
     device_types = ("xpu",)
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self.device = device
 
     @classmethod
@@ -95,24 +93,24 @@ class _Xpu(ActivationRuntime):
         return device == self.device
 
 
-def _builtins(*extra: type[ActivationRuntime]) -> dict[str, type[ActivationRuntime]]:
-    runtimes = activation_runtimes(new_plugin_manager(load_entrypoints=False))
+def _builtins(*extra: type[TorchRuntime]) -> dict[str, type[TorchRuntime]]:
+    runtimes = runtime_classes(new_plugin_manager(load_entrypoints=False), "torch")
     return {**runtimes, **{cls.name: cls for cls in extra}}
 
 
 def test_auto_picks_the_runtime_declaring_the_device_type() -> None:
     auto = resolve_runtime("auto", _builtins(_Xpu))
-    assert auto.class_for(torch.device("cuda", 1)) is CudaActivationRuntime
-    assert auto.class_for(torch.device("cpu")) is ActivationRuntime
-    assert auto.class_for(torch.device("mps")) is ActivationRuntime  # nobody declares it
+    assert auto.class_for(torch.device("cuda", 1)) is AcceleratorRuntime
+    assert auto.class_for(torch.device("cpu")) is LoopbackRuntime
+    assert auto.class_for(torch.device("mps")) is LoopbackRuntime  # nobody declares it
     made = auto.make(torch.device("xpu", 1))
     assert type(made) is _Xpu and made.device == torch.device("xpu", 1)
-    assert resolve_runtime("auto", _builtins()).class_for(torch.device("xpu")) is ActivationRuntime
+    assert resolve_runtime("auto", _builtins()).class_for(torch.device("xpu")) is LoopbackRuntime
 
 
 def test_auto_replaces_a_runtime_only_when_another_would_serve_better() -> None:
     auto = resolve_runtime("auto", _builtins(_Xpu))
-    xpu0, loopback = _Xpu(torch.device("xpu", 0)), ActivationRuntime()
+    xpu0, loopback = _Xpu(torch.device("xpu", 0)), LoopbackRuntime()
     assert auto.keeps(xpu0, torch.device("xpu", 0))
     assert not auto.keeps(xpu0, torch.device("xpu", 1))  # another device: its own runtime
     assert not auto.keeps(xpu0, torch.device("cpu"))  # back to loopback
@@ -142,21 +140,21 @@ def test_runtime_names_are_resolved_with_a_clear_error() -> None:
 
 
 def test_a_create_that_returns_no_runtime_is_refused() -> None:
-    odd = type("Odd", (ActivationRuntime,), {"name": "odd", "create": classmethod(lambda c, d: 1)})
+    odd = type("Odd", (LoopbackRuntime,), {"name": "odd", "create": classmethod(lambda c, d: 1)})
     with pytest.raises(TypeError, match=r"Odd\.create returned 1; an activation runtime's"):
         resolve_runtime("odd", {"odd": odd}).make()
 
 
 class _XpuPlugin:
     @hookimpl
-    def swapopt_register_activation_runtimes(self) -> list[type[ActivationRuntime]]:
+    def swapopt_register_runtimes(self) -> list[type[TorchRuntime]]:
         return [_Xpu]
 
 
 def test_options_accept_the_runtimes_registered_with_the_default_manager() -> None:
     with pytest.raises(ValueError) as info:
         OffloadConfig.from_options({"runtime": "xpu-test"})
-    assert "swapopt_register_activation_runtimes" in str(info.value)
+    assert "swapopt_register_runtimes" in str(info.value)
     manager = get_plugin_manager()
     plugin = _XpuPlugin()
     manager.register(plugin)
@@ -176,15 +174,15 @@ def _storage(nbytes: int, value: int) -> torch.UntypedStorage:
 
 
 def test_async_copies_are_queued_and_the_caller_goes_on() -> None:
-    runtime = AsyncLoopbackRuntime(LaneSettings())
+    runtime = LoopbackAsyncRuntime(LaneSettings())
     gate = threading.Event()
     runtime.d2h.submit(gate.wait)  # the D2H lane is busy until the test lets it go
-    storage, host = _storage(4096, 7), runtime.alloc_host(4096).zero_()
-    out = runtime.copy_out(storage, host)
+    storage, host = _storage(4096, 7), runtime.alloc_host(4096, torch.uint8).zero_()
+    out = runtime.copy_out([(byte_view(storage), host)])
     assert not out.done() and int(host.sum()) == 0  # queued behind the busy copy
     # The other direction has a lane of its own: a copy in finishes meanwhile (full duplex).
     back, source = _storage(4096, 0), torch.full((4096,), 3, dtype=torch.uint8)
-    incoming = runtime.copy_in(back, source)
+    incoming = runtime.copy_in([(byte_view(back), source)])
     runtime.wait(incoming)
     assert torch.equal(byte_view(back), source) and not out.done()
     gate.set()
@@ -196,9 +194,9 @@ def test_async_copies_are_queued_and_the_caller_goes_on() -> None:
 
 def test_async_copies_take_the_emulated_bandwidth() -> None:
     # 1 MiB at 1 MB/s: the copy takes at least a second of the lane's time.
-    runtime = AsyncLoopbackRuntime(LaneSettings(gbps=0.001))
-    storage, host = _storage(2**20, 5), runtime.alloc_host(2**20)
-    ticket = runtime.copy_out(storage, host)
+    runtime = LoopbackAsyncRuntime(LaneSettings(gbps=0.001))
+    storage, host = _storage(2**20, 5), runtime.alloc_host(2**20, torch.uint8)
+    ticket = runtime.copy_out([(byte_view(storage), host)])
     assert not ticket.done()  # still in flight right after it was queued
     runtime.host_wait(ticket)
     assert torch.equal(host, byte_view(storage))
@@ -206,7 +204,7 @@ def test_async_copies_take_the_emulated_bandwidth() -> None:
 
 def test_async_bandwidth_is_measured_through_the_lanes() -> None:
     # Each copy takes at least bytes / bandwidth, so the measured rate cannot exceed it.
-    d2h, h2d = AsyncLoopbackRuntime(LaneSettings(gbps=0.5)).measure_bandwidth(repeats=2)
+    d2h, h2d = LoopbackAsyncRuntime(LaneSettings(gbps=0.5)).measure_bandwidth(repeats=2)
     assert 0 < d2h <= 0.5 and 0 < h2d <= 0.5
 
 
@@ -217,7 +215,7 @@ def test_a_session_on_loopback_async_reads_the_lane_settings(monkeypatch) -> Non
     with session:
         torch.ones(4).sum()
     runtime = session._executor.runtime
-    assert isinstance(runtime, AsyncLoopbackRuntime)
+    assert isinstance(runtime, LoopbackAsyncRuntime)
     assert runtime.settings == LaneSettings(gbps=2.5, jitter_us=50)
 
 

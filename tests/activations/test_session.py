@@ -223,7 +223,7 @@ def test_unknown_runtime_is_refused_when_the_session_is_created(manager) -> None
         ValueError,
         match=r"OffloadConfig\.runtime='tpu' is not a registered activation runtime\. Choose "
         r"one of \['auto', 'cuda', 'loopback', 'loopback-async'\], or install or register "
-        r"the plugin that provides it \(swapopt_register_activation_runtimes\)",
+        r"the plugin that provides it \(swapopt_register_runtimes\)",
     ):
         OffloadSession(config, plugin_manager=manager)
 

@@ -12,11 +12,11 @@ from typing import Any
 import pluggy
 import pytest
 import torch
+from swapopt_core._engine_base import engine_of
 from torch.optim.sgd import sgd
 
 import swapopt_core
 from swapopt_core import (
-    ActivationRuntime,
     OffloadConfig,
     OffloadSession,
     OptimizerAdapter,
@@ -29,8 +29,9 @@ from swapopt_core import (
     swap_optimizer,
     swap_stats,
 )
+from swapopt_core._device.loopback import LoopbackRuntime
 from swapopt_core._planning.interface import resolve_planner
-from swapopt_core._plugins import activation_runtimes, residency_planners
+from swapopt_core._plugins import residency_planners, runtime_classes
 
 
 class SgdMomentumAdapter(OptimizerAdapter):
@@ -104,10 +105,14 @@ def test_builtins_are_registered_as_plugins(plugin_manager: pluggy.PluginManager
     assert {
         "swapopt_core._torch.plugin",
         "swapopt_core._planning.plugin",
-        "swapopt_core._activations.plugin",
+        "swapopt_core._device.plugin",
         "swapopt_core._mindspore.plugin",
     } <= names
-    assert sorted(activation_runtimes(plugin_manager)) == ["cuda", "loopback", "loopback-async"]
+    assert sorted(runtime_classes(plugin_manager, "torch")) == [
+        "cuda",
+        "loopback",
+        "loopback-async",
+    ]
     runtimes = [
         (r.framework, r.name)
         for batch in plugin_manager.hook.swapopt_register_runtimes()
@@ -176,13 +181,13 @@ def _wide_step(layers: torch.nn.ModuleList, x: torch.Tensor) -> None:
 def test_the_documented_activation_runtime_runs_a_session_bit_exactly(
     plugin_manager: pluggy.PluginManager, runtime: str
 ) -> None:
-    module = _documented_module("Adding an activation runtime")
-    counting = module.CountingLoopback
+    module = _documented_module("Adding a runtime")
+    counting = module.CountingRuntime
     if runtime == "auto":  # the same runtime, declared for CPU tensors: "auto" picks it
         counting = type("CountingCpu", (counting,), {"name": "counting-cpu"})
         counting.device_types = ("cpu",)
-    plugin = types.SimpleNamespace(swapopt_register_activation_runtimes=lambda: [counting])
-    hookimpl(plugin.swapopt_register_activation_runtimes)
+    plugin = types.SimpleNamespace(swapopt_register_runtimes=lambda: [counting])
+    hookimpl(plugin.swapopt_register_runtimes)
     plugin_manager.register(plugin)
     torch.manual_seed(0)
     reference = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
@@ -205,8 +210,48 @@ def test_the_documented_activation_runtime_runs_a_session_bit_exactly(
     assert (stats.warmups, stats.replays) == (1, 1)
     # Six layers keep 12 activations of 512 KiB without the session; the budget binds.
     assert stats.peak_resident_activation_bytes < 0.5 * 12 * 2048 * 64 * 4
-    assert used.copied == {"out": stats.d2h_bytes, "in": stats.h2d_bytes}
+    # The warmup measures the bandwidth through the runtime's own copies: 6 x 32 MiB each way.
+    probe = 6 * 32 * 2**20
+    assert used.copied == {"out": stats.d2h_bytes + probe, "in": stats.h2d_bytes + probe}
     assert stats.d2h_bytes > 0 and stats.h2d_bytes > 0
+
+
+def test_the_documented_runtime_serves_both_halves_as_one_instance_bit_exactly(
+    plugin_manager: pluggy.PluginManager,
+) -> None:
+    plugin_manager.register(_documented_module("Adding a runtime"))
+    torch.manual_seed(0)
+    plain_model = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+    swapped_model = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+    swapped_model.load_state_dict(plain_model.state_dict())
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
+    swapped = torch.optim.AdamW(swapped_model.parameters(), lr=1e-3)
+    config = SwapOptimizerConfig(swap_times=3, min_numel=64, runtime="counting")
+    swap_optimizer(swapped, config, plugin_manager=plugin_manager)
+    offload = OffloadConfig(max_resident_activation_mb=2, min_offload_kib=0, runtime="counting")
+    session = OffloadSession(offload, plugin_manager=plugin_manager)
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):  # a warmup, then replays; the optimizer steps after each
+        plain.zero_grad()
+        swapped.zero_grad()
+        _wide_step(plain_model, x)
+        with session:
+            _wide_step(swapped_model, x)
+        plain.step()
+        swapped.step()
+    for a, b in zip(plain_model.parameters(), swapped_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in plain.state[a].items():
+            assert torch.equal(value, swapped.state[b][key])
+    runtime = engine_of(swapped).runtime
+    assert type(runtime).__name__ == "CountingRuntime"
+    assert session._executor.runtime is runtime  # one instance serves both halves
+    stats, offloaded = swap_stats(swapped), session.stats()
+    assert stats.runtime == "counting" and stats.h2d_bytes > 0 and offloaded.h2d_bytes > 0
+    # Both halves copied through it, and each kept its own counts.
+    probe = 6 * 32 * 2**20  # the warmup's bandwidth measurement, through the same copies
+    assert runtime.copied["in"] == stats.h2d_bytes + offloaded.h2d_bytes + probe
+    assert runtime.copied["out"] == stats.d2h_bytes + offloaded.d2h_bytes + probe
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -274,7 +319,7 @@ def test_sgd_without_the_plugin_is_refused_with_the_supported_list(
 class _NamedLoopback(TransferRuntime):
     name = "loopback"
 
-    def accepts(self, device: torch.device) -> bool:
+    def serves(self, device: torch.device) -> bool:
         return False
 
     def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -312,24 +357,23 @@ def test_duplicate_runtime_names_are_refused(plugin_manager: pluggy.PluginManage
         swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback"), plugin_manager=plugin_manager)
 
 
-class _Loopback2(ActivationRuntime):
+class _Loopback2(LoopbackRuntime):
     """Inherits the loopback runtime's name."""
 
 
 @pytest.mark.parametrize(
     ("registered", "pattern"),
     [
-        ([_Loopback2], r"Two plugins register an activation runtime named 'loopback'.*_Loopback2"),
-        ([ActivationRuntime()], r"must return subclasses of swapopt_core\.ActivationRuntime"),
-        ([_NamedLoopback], r"must return subclasses of swapopt_core\.ActivationRuntime"),
-        ([type("Auto", (ActivationRuntime,), {"name": "auto"})], r"named 'auto'; give it"),
+        ([_Loopback2], r"Two plugins register a torch runtime named 'loopback'.*_Loopback2"),
+        ([LoopbackRuntime()], r"must return subclasses of swapopt_core\.TransferRuntime"),
+        ([type("Auto", (LoopbackRuntime,), {"name": "auto"})], r"named 'auto'; give it"),
     ],
 )
 def test_bad_activation_runtime_registrations_are_refused(
     plugin_manager: pluggy.PluginManager, registered: list, pattern: str
 ) -> None:
-    plugin = types.SimpleNamespace(swapopt_register_activation_runtimes=lambda: registered)
-    hookimpl(plugin.swapopt_register_activation_runtimes)
+    plugin = types.SimpleNamespace(swapopt_register_runtimes=lambda: registered)
+    hookimpl(plugin.swapopt_register_runtimes)
     plugin_manager.register(plugin)
     with pytest.raises(SwapOptError, match=pattern):
         OffloadSession(OffloadConfig(runtime="loopback"), plugin_manager=plugin_manager)

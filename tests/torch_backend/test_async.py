@@ -18,7 +18,7 @@ from swapopt_core import (
     swap_stats,
     unswap_optimizer,
 )
-from swapopt_core._lanes import CopyFailed, Lane, LaneSettings
+from swapopt_core._device.lanes import CopyFailed, Lane, LaneSettings
 from swapopt_core._swap.engine import engine_of
 from tests.conftest import assert_same, loss_of, make_model, train, twin
 

@@ -17,10 +17,10 @@ from swapopt_core import (
     swap_stats,
     unswap_optimizer,
 )
+from swapopt_core._device.loopback import LoopbackRuntime
 from swapopt_core._plugins import new_plugin_manager
 from swapopt_core._swap.ledger import DeviceLedger
 from swapopt_core._swap.staging import PackedStaging
-from swapopt_core._torch.loopback import LoopbackRuntime
 from swapopt_core._torch.state import Slot
 from swapopt_core._torch.tensor_ops import TorchTensorOps
 from swapopt_core.hookspecs import hookimpl

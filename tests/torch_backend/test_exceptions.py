@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats
+from swapopt_core._device.loopback import LoopbackRuntime
 from swapopt_core._torch.adam import TorchAdamAdapter
-from swapopt_core._torch.loopback import LoopbackRuntime
 
 
 def _model() -> torch.nn.Module:

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats, unswap_optimizer
-from swapopt_core._lanes import CopyFailed
+from swapopt_core._device.lanes import CopyFailed
 from swapopt_core._swap.engine import engine_of
 from tests.conftest import ASYNC_JITTER_US
 

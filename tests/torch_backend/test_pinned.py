@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from swapopt_core._torch import pinned
-from swapopt_core._torch.cuda import CudaRuntime
+from swapopt_core._device import pinned
+from swapopt_core._device.accelerator import AcceleratorRuntime
 
 
 class FakeCudart:
@@ -74,7 +74,7 @@ def test_the_cuda_runtime_registers_once_then_warns_once_and_stays_pageable(
 ) -> None:
     fake = FakeCudart(error=2)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    runtime = CudaRuntime()
+    runtime = AcceleratorRuntime(torch.device("cuda", 0))  # constructs without a GPU
     with caplog.at_level(logging.WARNING):
         buffers = [runtime.alloc_host(8, torch.float32) for _ in range(3)]
     assert fake.registered == 1

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats
+from swapopt_core._device.loopback import LoopbackRuntime
 from swapopt_core._swap.ledger import DeviceLedger
 from swapopt_core._swap.staging import PackedStaging
-from swapopt_core._torch.loopback import LoopbackRuntime
 from swapopt_core._torch.state import Slot
 from swapopt_core._torch.tensor_ops import TorchTensorOps
 

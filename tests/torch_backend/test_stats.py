@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats
-from swapopt_core._torch.loopback import LoopbackRuntime
+from swapopt_core._device.loopback import LoopbackRuntime
 
 
 class _Ledger:

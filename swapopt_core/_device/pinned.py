@@ -1,4 +1,4 @@
-"""Host memory page-locked at its exact size, shared by the CUDA runtimes."""
+"""Host memory page-locked at its exact size through cudaHostRegister (CUDA only)."""
 
 from __future__ import annotations
 

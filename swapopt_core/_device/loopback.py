@@ -1,7 +1,9 @@
 """The loopback runtime: CPU tensors play the device, separate CPU buffers the host.
 
 Every step of the pipeline runs for real (storage is released and re-allocated, bytes are
-copied), only synchronously. This is how the engine is exercised without an accelerator.
+copied), only synchronously. This is how the engine and the activation offload are
+exercised without an accelerator; ``runtime="auto"`` also uses it for activations on device
+types no runtime declares.
 
 Released "device" memory goes back to a pool the next allocation of the same size takes,
 as CUDA's caching allocator keeps freed blocks: without it every step would fault in fresh
@@ -16,27 +18,39 @@ from typing import Any
 
 import torch
 
-from swapopt_core._runtime import CopyPair, TransferRuntime
+from swapopt_core._device.interface import CopyPair, TransferRuntime
+
+__all__ = ["LoopbackRuntime"]
 
 
-class LoopbackRuntime(TransferRuntime):
-    """Synchronous runtime for CPU tensors; its host buffers count as the pinned tier."""
+class LoopbackRuntime(TransferRuntime[torch.Tensor, torch.device, Any]):
+    """Synchronous runtime for CPU tensors; its host buffers count as the pinned tier.
+
+    One instance serves every CPU tensor (``shared_key`` ignores the device), whichever half
+    asks for it.
+    """
 
     name = "loopback"
-    device_types = ()  # never picked by "auto": swapping CPU state to CPU only costs time
-
-    def accepts(self, device: torch.device) -> bool:
-        return device.type == "cpu"
-
-    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.empty(numel, dtype=dtype)
-        self._count_host(host)
-        return host
+    device_types = ()  # never picked by "auto" for state: swapping CPU to CPU only costs time
 
     def __init__(self) -> None:
         super().__init__()
         self._pool: dict[int, list[torch.UntypedStorage]] = {}  # free blocks by size
         self._pool_lock = threading.Lock()  # releases may run on a copy lane's thread
+
+    @classmethod
+    def shared_key(cls, device: torch.device | None) -> object:
+        return None  # the CPU is one device, whatever index a tensor names
+
+    def serves(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.empty(numel, dtype=dtype)
+        storage = host.untyped_storage()
+        if storage.nbytes():
+            self._count_pinned(storage, storage.nbytes(), key=storage.data_ptr())
+        return host
 
     def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
@@ -45,7 +59,7 @@ class LoopbackRuntime(TransferRuntime):
             storage = free.pop() if free else None
         if storage is None:
             return torch.empty(numel, dtype=dtype, device=device)
-        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,))
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
 
     def release_device(self, tensor: torch.Tensor, after: Sequence[Any] = ()) -> None:
         self._recycle(tensor)
@@ -53,21 +67,26 @@ class LoopbackRuntime(TransferRuntime):
     def _recycle(self, tensor: torch.Tensor) -> None:
         """Empty ``tensor`` and keep its memory for the next allocation of its size."""
         storage = tensor.untyped_storage()
-        tensor.set_()  # the tensor handed out is empty from now on
+        tensor.set_()  # type: ignore[call-overload]  # the tensor handed out is empty now
         if storage.nbytes():
             with self._pool_lock:
                 self._pool.setdefault(storage.nbytes(), []).append(storage)
 
-    def copy_in(self, pairs: Sequence[CopyPair], after: Sequence[Any] = ()) -> None:
+    def copy_in(self, pairs: Sequence[CopyPair], after: Sequence[Any] = ()) -> Any:
         for device_tensor, host_tensor in pairs:
             device_tensor.copy_(host_tensor)
+        return None
 
-    def copy_out(self, pairs: Sequence[CopyPair]) -> None:
+    def copy_out(self, pairs: Sequence[CopyPair]) -> Any:
         for device_tensor, host_tensor in pairs:
             host_tensor.copy_(device_tensor)
-
-    def wait(self, ticket: object) -> None:
         return None
+
+    def wait(self, ticket: Any) -> None:
+        return None
+
+    def host_wait(self, ticket: Any) -> None:
+        return None  # every copy is done when its call returns
 
     def synchronize(self) -> None:
         return None

@@ -1,0 +1,283 @@
+"""The one interface every transfer runtime implements, for both halves of swapopt.
+
+A runtime stands for one device and the link to its host memory: host buffers, device
+storage handed out and given back in stream order, one copy queue per direction, waits,
+clocks and a bandwidth measurement. The optimizer swap (``swapopt_core._pipeline``) and the
+activation offload (``swapopt_core._activations``) drive the same instance per device
+(``swapopt_core._device.registry``), so their copies share one queue per direction.
+
+The interface is generic in the tensor library: torch code uses ``TorchRuntime``; MindSpore's
+runtimes subclass ``TransferRuntime[mindspore.Tensor, str, ...]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar, Generic, Protocol, TypeAlias, TypeVar
+
+import torch
+
+__all__ = ["CopyPair", "Ticket", "TorchRuntime", "TransferRuntime", "byte_view"]
+
+TensorT = TypeVar("TensorT")
+DeviceT = TypeVar("DeviceT")
+TicketT = TypeVar("TicketT")
+
+#: A device tensor and its host counterpart of identical shape and dtype.
+CopyPair = tuple[torch.Tensor, torch.Tensor]
+
+
+class Ticket(Protocol):
+    """What a copy returns: a point in a copy queue (a recorded event).
+
+    Each runtime has its own ticket type (a lane's ``lanes.Ticket``, the accelerator's
+    ``accelerator.StreamTicket``; ``None`` for copies that are done when they return). A
+    ticket is only ever handed back to the runtime that issued it.
+    """
+
+    def done(self) -> bool:
+        """Whether the copies it stands for finished, without blocking."""
+        ...
+
+
+def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A 1-D uint8 tensor over all of ``storage`` (how activations hand a storage to
+    ``copy_in``/``copy_out``)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
+    """Moves bytes between host memory and one kind of device, for both halves of swapopt.
+
+    The model is a device with a compute queue and one copy queue per direction. Copies
+    return tickets (``TicketT``; ``None`` when the copy is done already): the compute queue
+    waits on a ticket before it touches what the copy wrote (``wait``), the host before it
+    reads or rewrites the host memory (``host_wait``), a copy queue before it writes memory
+    another copy still uses (``copy_in(after=...)``), and the allocator before it hands out
+    memory a copy still uses (``release_device(after=...)``).
+
+    A copy that fails where it runs, after its call returned, is reported by ``failure``
+    once it ran; memory released after it is then not reused, because the device copy of a
+    batch whose copy out failed is the only copy of its update. A runtime whose copies
+    cannot fail one by one (on CUDA an asynchronous error poisons the whole context) keeps
+    the default, which reports nothing.
+
+    One instance serves the optimizer swap and the activation offload of its device at the
+    same time (``registry.shared_runtime``), so it must not keep per-caller state beyond
+    what one entry of an ``OffloadSession`` sets (``begin_entry``).
+
+    Attributes:
+        device: The device this instance was made for (``None``: not tied to one).
+        pinned_bytes: Host bytes this instance holds page-locked, all callers together (for
+            runtimes without page locking: the bytes set aside as the host tier). A caller
+            asks ``pinned_nbytes`` for its own buffers.
+    """
+
+    #: Name selected by ``SwapOptimizerConfig.runtime`` and ``OffloadConfig.runtime``;
+    #: unique within ``framework``; never ``"auto"``.
+    name: ClassVar[str]
+    #: The tensor library this runtime moves (``"torch"`` or ``"mindspore"``).
+    framework: ClassVar[str] = "torch"
+    #: Device types that ``runtime="auto"`` picks this runtime for.
+    device_types: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``packed_swap=None`` means packed for this runtime.
+    packed_default: ClassVar[bool] = True
+    #: Whether ``stamp`` results are read only after ``wait_stamps`` (device events).
+    stamps_need_sync: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.device: DeviceT | None = None
+        self.pinned_bytes = 0
+        self._pinned: dict[int, int] = {}  # key of a page-locked buffer -> its bytes
+
+    # ---- making and choosing -------------------------------------------------------------
+
+    @classmethod
+    def create(cls, device: DeviceT | None) -> TransferRuntime[TensorT, DeviceT, TicketT]:
+        """Make the runtime for ``device`` (``None``: the one a named runtime picks itself).
+
+        Called by the registry only when no live instance of this class serves ``device``
+        yet (``shared_key``). Override it when the constructor needs the device.
+
+        Raises:
+            RuntimeError: The runtime cannot run here (its device is not available).
+        """
+        return cls()
+
+    @classmethod
+    def shared_key(cls, device: DeviceT | None) -> object:
+        """What makes two requests share one instance: by default the device asked for."""
+        return device
+
+    @abstractmethod
+    def serves(self, device: DeviceT) -> bool:
+        """Whether tensors on ``device`` are the ones this runtime moves."""
+
+    # ---- memory ------------------------------------------------------------------------
+
+    @abstractmethod
+    def alloc_host(self, numel: int, dtype: Any) -> TensorT:
+        """A 1-D host tensor of exactly ``numel`` elements, page-locked where possible.
+
+        What it page-locked is counted in ``pinned_bytes`` (``_count_pinned``) until the
+        buffer is freed.
+        """
+
+    def pinned_nbytes(self, hosts: Iterable[TensorT]) -> int:
+        """Page-locked bytes under ``hosts`` (each buffer once, views included).
+
+        How an owner (an engine, a session) reports its own pinned bytes on an instance it
+        shares. This default reports every byte the instance holds (exact while a single
+        owner uses it); runtimes that count buffers with ``_count_pinned(..., key=...)``
+        report only those under ``hosts``.
+        """
+        if not self._pinned:
+            return self.pinned_bytes
+        keys = {self._buffer_key(host) for host in hosts}
+        return sum(self._pinned.get(key, 0) for key in keys)
+
+    def _buffer_key(self, host: TensorT) -> int:
+        """Identity of the buffer under ``host`` (views of one buffer share it)."""
+        return int(host.untyped_storage().data_ptr())  # type: ignore[attr-defined]
+
+    def _count_pinned(self, owner: object, nbytes: int, key: int | None = None) -> None:
+        """Count ``nbytes`` in ``pinned_bytes`` until ``owner`` (the buffer) is freed."""
+        self.pinned_bytes += nbytes
+        if key is not None:
+            self._pinned[key] = nbytes
+        # A weak reference: a buffer (which a queued copy may still hold) must not keep the
+        # runtime, its lanes and every buffer they hold alive.
+        weakref.finalize(owner, _uncount, weakref.ref(self), nbytes, key)
+
+    def _uncount_pinned(self, nbytes: int, key: int | None = None) -> None:
+        self.pinned_bytes -= nbytes
+        if key is not None:
+            self._pinned.pop(key, None)
+
+    def _uncount_host(self, nbytes: int) -> None:
+        """``_uncount_pinned`` for a buffer counted without a key."""
+        self._uncount_pinned(nbytes)
+
+    @abstractmethod
+    def alloc_device(self, numel: int, dtype: Any, device: DeviceT) -> TensorT:
+        """A 1-D uninitialised device tensor, allocated in copy-queue order."""
+
+    @abstractmethod
+    def release_device(self, tensor: TensorT, after: Sequence[TicketT | None] = ()) -> None:
+        """Give ``tensor``'s device storage back; views of it become empty.
+
+        Args:
+            tensor: A tensor from ``alloc_device``.
+            after: Tickets of copies still using the storage: the memory is reused only
+                once they finished (stream-ordered), without blocking the host. If one of
+                them failed (``failure``), the memory is not reused: ``tensor`` keeps it.
+        """
+
+    # ---- copies and waits ----------------------------------------------------------------
+
+    @abstractmethod
+    def copy_in(
+        self, pairs: Sequence[tuple[TensorT, TensorT]], after: Sequence[TicketT | None] = ()
+    ) -> TicketT | None:
+        """Queue host-to-device copies of ``(device, host)`` pairs; return a ticket.
+
+        The copies start after the compute work queued so far (the device memory may have
+        just been given back by it) and after the copies of the ``after`` tickets (which
+        still use the memory, or write the host memory read here).
+        """
+
+    @abstractmethod
+    def copy_out(self, pairs: Sequence[tuple[TensorT, TensorT]]) -> TicketT | None:
+        """Queue device-to-host copies of ``(device, host)`` pairs after all compute queued
+        so far; return a ticket."""
+
+    @abstractmethod
+    def wait(self, ticket: TicketT | None) -> None:
+        """Order the compute queue that issued the copy after it (without blocking the host
+        where the device can): before compute reads, rewrites or frees what it touches."""
+
+    def host_wait(self, ticket: TicketT | None) -> None:
+        """Block the host until the copies of ``ticket`` finished (all copies if unsure)."""
+        if ticket is not None:
+            # The host reads or rewrites memory the copy touches; without a finer wait,
+            # every copy must be done.
+            self.synchronize()
+
+    def done(self, ticket: TicketT | None) -> bool:
+        """Whether the copies of ``ticket`` finished, without blocking."""
+        return ticket is None or bool(ticket.done())  # type: ignore[attr-defined]
+
+    def failure(self, ticket: TicketT | None) -> BaseException | None:
+        """What the copies of ``ticket`` raised, if they ran and failed; without blocking.
+
+        ``None`` while they run, once they succeeded, and always on runtimes that raise
+        copy errors where the copy is queued or waited for instead.
+        """
+        return None
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until every copy queued so far (by any caller) has finished."""
+
+    def begin_entry(self, device: DeviceT) -> Callable[[], None] | None:
+        """Called at an ``OffloadSession`` entry's first op on ``device``; returns a check
+        to run before each of its ops (refusing what the copies cannot be ordered with)."""
+        return None
+
+    # ---- clocks ------------------------------------------------------------------------
+
+    def stamp(self) -> Any:
+        """A point on the compute queue whose time ``elapsed_ms`` reads later."""
+        return time.perf_counter()
+
+    def wait_stamps(self) -> None:
+        """Make every stamp taken so far readable (called when ``stamps_need_sync``)."""
+        return
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two ``stamp`` results."""
+        return float((end - start) * 1e3)
+
+    def measure_bandwidth(self, nbytes: int = 32 * 2**20, repeats: int = 5) -> tuple[float, float]:
+        """Median D2H and H2D bandwidth in GB/s of ``repeats`` warm copies of ``nbytes``.
+
+        Measured through this runtime's own ``copy_out``/``copy_in`` and ``host_wait`` on
+        buffers from ``alloc_host``/``alloc_device`` (uint8 torch tensors on ``device``, or
+        the CPU), so the planner prices copies at what this runtime delivers.
+        """
+        device = self.device if self.device is not None else torch.device("cpu")
+        host: Any = self.alloc_host(nbytes, torch.uint8)
+        on_device: Any = self.alloc_device(nbytes, torch.uint8, device)  # type: ignore[arg-type]
+        host.fill_(2)
+        on_device.fill_(1)
+        pairs = [(on_device, host)]
+        d2h: list[float] = []
+        h2d: list[float] = []
+        try:
+            for _ in range(repeats + 1):
+                for results, issue in ((d2h, self.copy_out), (h2d, self.copy_in)):
+                    start = time.perf_counter()
+                    # Calibration runs once per warmup and needs the finished copy's time.
+                    self.host_wait(issue(pairs))
+                    results.append(nbytes / max(time.perf_counter() - start, 1e-9) / 1e9)
+        finally:
+            # The device buffer goes back once the last copy is done (waited above).
+            self.release_device(on_device)
+        return statistics.median(d2h[1:]), statistics.median(h2d[1:])
+
+
+def _uncount(
+    runtime: weakref.ref[TransferRuntime[Any, Any, Any]], nbytes: int, key: int | None
+) -> None:
+    """A counted buffer was freed: take it off its runtime's count, if the runtime lives."""
+    alive = runtime()
+    if alive is not None:
+        alive._uncount_pinned(nbytes, key)
+
+
+#: The interface as torch code uses it.
+TorchRuntime: TypeAlias = TransferRuntime[torch.Tensor, torch.device, Any]

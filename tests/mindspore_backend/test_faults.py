@@ -6,7 +6,9 @@ and before and after the adapter's batch update (``update_batch``, one compiled 
 batch); then the state is complete (a), the stats true (e), the step repeated with the same
 gradients equals one plain step (b), training goes on exactly (c) and ``unswap_optimizer``
 leaves a plain optimizer that stays exact (d). The fast row of the matrix runs on
-``loopback-async`` with jitter too, where the copies run on worker threads.
+``loopback-async`` with jitter too, where the copies run on worker threads, and so do the
+rows of torch's lane-fault matrix for a copy out that fails on its lane after the call that
+queued it returned (first, middle and last batch, packed and per-tensor).
 """
 
 from __future__ import annotations

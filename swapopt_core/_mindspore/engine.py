@@ -128,7 +128,7 @@ class MindSporeSwapEngine(EngineBase):
 
     def _ours(self, slot: Slot) -> bool:
         """Whether the state Parameter still holds our host memory (a load replaces it)."""
-        return slot.state.data_ptr() == slot.host.data_ptr()
+        return bool(slot.state.data_ptr() == slot.host.data_ptr())
 
     def offload(self) -> int:
         """Take every swappable state into host memory; return how many were moved."""

@@ -53,6 +53,9 @@ class MindSporeSwapEngine(EngineBase):
     """Keeps a MindSpore optimizer's swappable state in host memory; pipelines its update."""
 
     framework = "mindspore"
+    # MindSpore saves checkpoints straight from the state Parameters, with no hook to wait
+    # in: host state is final (failed copies written back) when a step returns.
+    readers_hooked = False
     adapter: MindSporeAdapter
     runtime: MindSporeRuntime
 
@@ -97,9 +100,7 @@ class MindSporeSwapEngine(EngineBase):
 
     def uninstall(self) -> None:
         """Put every swapped state back on its device and give ``construct`` back."""
-        self.settle()
-        # The host tensors are read below: every copy into them must have landed.
-        self.runtime.synchronize()
+        self.quiesce()  # the host tensors are read below
         for slot in self.slots.values():
             slot.state.set_data(self.runtime.to_device(slot.host, slot.device))
         self.slots.clear()
@@ -127,7 +128,7 @@ class MindSporeSwapEngine(EngineBase):
 
     def _ours(self, slot: Slot) -> bool:
         """Whether the state Parameter still holds our host memory (a load replaces it)."""
-        return slot.state.data_ptr() == slot.host.data_ptr()
+        return bool(slot.state.data_ptr() == slot.host.data_ptr())
 
     def offload(self) -> int:
         """Take every swappable state into host memory; return how many were moved."""
@@ -218,9 +219,6 @@ class MindSporeSwapEngine(EngineBase):
         return MindSporeStep(self, gradients, results, units)
 
     def step_queued(self, plan: list[list[Any]], resumed: bool) -> None:
-        # MindSpore saves checkpoints straight from the host Parameters, with no hook
-        # to wait in: the host copies must be final when the step returns.
-        self.wait_copies()
         if not resumed:
             self.graphs.prune()
 

@@ -60,7 +60,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.state.itemsize
+        return self.numel * int(self.state.itemsize)
 
 
 class MindSporeTensorOps:

@@ -15,6 +15,7 @@ a few hooks; its tensor operations are its ``TensorOps``.
 from __future__ import annotations
 
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from swapopt_core._swap.ops import SwapSlot, Target, TensorOps
 from swapopt_core._swap.partition import partition
 from swapopt_core._swap.pipeline import Pipeline, deferred_interrupt, write_back
 from swapopt_core._swap.staging import PackedStaging, Staged, make_staging
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ENGINE_ATTR", "EngineBase", "StepUnit", "StepWork", "engine_of"]
 
@@ -111,6 +114,12 @@ class EngineBase(ABC):
     framework: ClassVar[str]
     #: Appended to the log line of a successful install.
     install_note: ClassVar[str] = ""
+    #: Whether every reader of host state asks the engine first (torch: ``state_dict``, the
+    #: checkpoint hooks, ``swap_stats``, unswap), which then waits for what it reads: the
+    #: step returns with its copies queued. ``False`` where host state is read with no hook
+    #: to wait in (MindSpore's ``save_checkpoint`` reads the state Parameters): each step
+    #: then makes it final (``quiesce``) before it returns.
+    readers_hooked: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -205,9 +214,6 @@ class EngineBase(ABC):
     def step_queued(self, plan: list[list[Any]], resumed: bool) -> None:  # noqa: B027
         """Every batch was updated and its copy out queued (may raise: the step is kept)."""
 
-    def step_failed(self) -> None:  # noqa: B027
-        """The pipeline raised, after its recovery; the error propagates after this."""
-
     def host_changing(self) -> None:  # noqa: B027
         """Host state is about to be rewritten under the engine (a write back): a backend
         drops what it read from it ahead of time."""
@@ -274,11 +280,23 @@ class EngineBase(ABC):
             # A step without batches queued none: the copies before it are still the ones.
             if pipeline.batches:
                 self.previous = pipeline
+            if not self.readers_hooked:
+                # Host state is read next with no hook to wait in: it must be final, and a
+                # batch whose copy out failed where it ran must be written back, by now.
+                self.quiesce()
             self.step_queued(plan, resumed)
         except BaseException:
-            self.step_failed()
+            self._collect_failures()
             raise
         return pipeline
+
+    def _collect_failures(self) -> None:
+        """After a failed step: the last step's batches whose copy out failed join ``kept``."""
+        try:
+            # The recovery drained the queues: this only collects what they reported.
+            self.wait_copies()
+        except BaseException:  # the next entry tries again; the step's own error propagates
+            logger.warning("swapopt: draining the copies after a failed step failed", exc_info=True)
 
     # ---- host state and the copies in flight ---------------------------------------------
 

@@ -197,11 +197,3 @@ class SwapEngine(EngineBase):
 
     def step_queued(self, plan: list[list[Any]], resumed: bool) -> None:
         self.prefetch.remember(plan)
-
-    def step_failed(self) -> None:
-        """Learn which copies out of the last step failed (their batches join ``kept``)."""
-        try:
-            # The recovery drained the queues: this only collects what they reported.
-            self.wait_copies()
-        except BaseException:  # the next entry tries again; the step's own error propagates
-            logger.warning("swapopt: draining the copies after a failed step failed", exc_info=True)

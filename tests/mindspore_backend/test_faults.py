@@ -6,13 +6,16 @@ and before and after the adapter's batch update (``update_batch``, one compiled 
 batch); then the state is complete (a), the stats true (e), the step repeated with the same
 gradients equals one plain step (b), training goes on exactly (c) and ``unswap_optimizer``
 leaves a plain optimizer that stays exact (d). The fast row of the matrix runs on
-``loopback-async`` with jitter too, where the copies run on worker threads.
+``loopback-async`` with jitter too, where the copies run on worker threads, and so do the
+rows of torch's lane-fault matrix for a copy out that fails on its lane after the call that
+queued it returned (first, middle and last batch, packed and per-tensor).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -27,6 +30,7 @@ from swapopt_core import (  # noqa: E402
     swap_stats,
     unswap_optimizer,
 )
+from swapopt_core._lanes import CopyFailed  # noqa: E402
 from swapopt_core._swap.engine import engine_of  # noqa: E402
 
 pytestmark = pytest.mark.mindspore
@@ -270,4 +274,69 @@ def test_a_failed_batch_update_puts_the_resident_state_back(packed: bool) -> Non
         opt(grads)
     opt(grads)  # the failed batch again, from its undo copy
     ref(grads)
+    _assert_same(ref_params, params, ref, opt)
+
+
+def _fail_on_lane(runtime: object, at: int, seen: list[str]) -> None:
+    """Make the copy queued by the ``at``-th ``copy_out`` fail where it runs, on its lane
+    (the call itself returns its ticket), as in torch's test_lane_faults.py."""
+    original, calls = runtime.copy_out, [0]
+
+    def failing(pairs):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        if calls[0] != at:
+            return original(pairs)
+        lane = runtime.d2h
+        submit = lane.submit
+
+        def poisoned(operation, **kw):  # noqa: ANN001, ANN003, ANN202
+            def broken() -> None:
+                seen.append(threading.current_thread().name)
+                raise Injected(f"copy_out call {at}, on its lane")
+
+            return submit(broken, **kw)
+
+        lane.submit = poisoned
+        try:
+            return original(pairs)
+        finally:
+            del lane.submit
+
+    runtime.copy_out = failing
+
+
+@pytest.mark.parametrize("which", ["first", "middle", "last"])
+@pytest.mark.parametrize("mode", ["packed", "per-tensor"])
+def test_a_copy_out_failing_on_its_lane_loses_nothing(mode: str, which: str) -> None:
+    """The copy out of the first, a middle or the last batch fails on the d2h lane, after
+    ``copy_out`` returned. MindSpore reads state Parameters with no hook to wait in (its
+    ``save_checkpoint``), so right after the call (a retry, if it raised) they are (a) exact,
+    (e) nothing stays on the device, then (c) training and (d) the unswapped optimizer stay
+    exact."""
+    packed = mode == "packed"
+    calls = _calls("adam", packed, "copy_out", "loopback-async")
+    at = {"first": 1, "middle": (calls + 1) // 2, "last": calls}[which]
+    ref_params = _params()
+    ref = FAMILIES["adam"](ref_params)
+    params, opt = _swapped("adam", packed, "loopback-async")
+    ref(_grads(0))
+    opt(_grads(0))
+    ref(_grads(1))
+    grads, seen = _grads(1), []
+    _fail_on_lane(engine_of(opt).runtime, at, seen)
+    try:
+        opt(grads)
+    except CopyFailed as error:
+        assert isinstance(error.__cause__, Injected), error
+        opt(grads)  # the same gradients: written back, then finished
+    assert seen == ["swapopt-d2h"], seen  # it failed on the copy lane, once
+    _assert_same(ref_params, params, ref, opt)
+    assert swap_stats(opt).resident_state_bytes == 0
+    assert swap_stats(opt).steps == 2
+    ref(_grads(2))
+    opt(_grads(2))
+    _assert_same(ref_params, params, ref, opt)
+    unswap_optimizer(opt)
+    ref(_grads(3))
+    opt(_grads(3))
     _assert_same(ref_params, params, ref, opt)

@@ -646,7 +646,7 @@ def _shares_swap_runtime(model: nn.Module, session: Any, step: Callable, ctx: di
     with session:
         step(model, 1.0)
     opt.step()
-    engine = importlib.import_module("swapopt_core._engine_base").engine_of(opt)
+    engine = importlib.import_module("swapopt_core._swap.engine").engine_of(opt)
     shared = engine is not None and engine.runtime is session._executor.runtime
     log(f"offload: the optimizer swap shares the session's runtime instance: {shared}")
     swapopt.unswap_optimizer(opt)

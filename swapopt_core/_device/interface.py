@@ -2,7 +2,7 @@
 
 A runtime stands for one device and the link to its host memory: host buffers, device
 storage handed out and given back in stream order, one copy queue per direction, waits,
-clocks and a bandwidth measurement. The optimizer swap (``swapopt_core._pipeline``) and the
+clocks and a bandwidth measurement. The optimizer swap (``swapopt_core._swap``) and the
 activation offload (``swapopt_core._activations``) drive the same instance per device
 (``swapopt_core._device.registry``), so their copies share one queue per direction.
 

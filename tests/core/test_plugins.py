@@ -12,7 +12,6 @@ from typing import Any
 import pluggy
 import pytest
 import torch
-from swapopt_core._engine_base import engine_of
 from torch.optim.sgd import sgd
 
 import swapopt_core
@@ -32,6 +31,7 @@ from swapopt_core import (
 from swapopt_core._device.loopback import LoopbackRuntime
 from swapopt_core._planning.interface import resolve_planner
 from swapopt_core._plugins import residency_planners, runtime_classes
+from swapopt_core._swap.engine import engine_of
 
 
 class SgdMomentumAdapter(OptimizerAdapter):

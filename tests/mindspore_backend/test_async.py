@@ -17,7 +17,7 @@ ms = pytest.importorskip("mindspore")
 from mindspore import Parameter, Tensor, nn  # noqa: E402
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer  # noqa: E402
-from swapopt_core._lanes import CopyFailed  # noqa: E402
+from swapopt_core._device.lanes import CopyFailed  # noqa: E402
 from swapopt_core._mindspore.loopback_async import MindSporeLoopbackAsyncRuntime  # noqa: E402
 from swapopt_core._mindspore.runtime import MindSporeLoopbackRuntime  # noqa: E402
 from swapopt_core._swap.engine import engine_of  # noqa: E402

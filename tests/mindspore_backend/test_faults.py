@@ -30,7 +30,7 @@ from swapopt_core import (  # noqa: E402
     swap_stats,
     unswap_optimizer,
 )
-from swapopt_core._lanes import CopyFailed  # noqa: E402
+from swapopt_core._device.lanes import CopyFailed  # noqa: E402
 from swapopt_core._swap.engine import engine_of  # noqa: E402
 
 pytestmark = pytest.mark.mindspore

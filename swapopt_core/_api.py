@@ -73,7 +73,7 @@ def _pick_runtime(
     config: SwapOptimizerConfig,
     manager: pluggy.PluginManager,
     engine_class: type[EngineBase],
-) -> TransferRuntime | None:
+) -> TransferRuntime[Any, Any, Any] | None:
     framework = engine_class.framework
     runtimes = runtime_classes(manager, framework)
     if config.runtime != "auto":
@@ -104,7 +104,7 @@ def _pick_runtime(
 
 
 def _check_serves(
-    engine_class: type[EngineBase], runtime: TransferRuntime, optimizer: object
+    engine_class: type[EngineBase], runtime: TransferRuntime[Any, Any, Any], optimizer: object
 ) -> None:
     """Refuse a named runtime that would swap nothing (``"auto"`` picks by device already)."""
     types = engine_class.param_devices(optimizer)

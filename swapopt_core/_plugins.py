@@ -8,7 +8,7 @@ import importlib.metadata
 import logging
 import os
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 
@@ -188,7 +188,7 @@ def optimizer_adapters(manager: pluggy.PluginManager, framework: str = "torch") 
                     "swapopt_register_optimizer_adapters must return OptimizerAdapter (or, for "
                     "MindSpore, MindSporeAdapter) instances."
                 )
-            if adapter.framework == framework:
+            if cast(SwapAdapter, adapter).framework == framework:  # it met its protocol above
                 adapters.append(adapter)
     return adapters
 

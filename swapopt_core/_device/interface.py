@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeAlias, TypeVar
 
 import torch
 
-__all__ = ["CopyPair", "Ticket", "TorchRuntime", "TransferRuntime", "byte_view"]
+__all__ = ["AnyRuntime", "CopyPair", "Ticket", "TorchRuntime", "TransferRuntime", "byte_view"]
 
 TensorT = TypeVar("TensorT")
 DeviceT = TypeVar("DeviceT")
@@ -281,3 +281,5 @@ def _uncount(
 
 #: The interface as torch code uses it.
 TorchRuntime: TypeAlias = TransferRuntime[torch.Tensor, torch.device, Any]
+#: A runtime of any tensor library, as the framework-neutral optimizer swap drives it.
+AnyRuntime: TypeAlias = TransferRuntime[Any, Any, Any]

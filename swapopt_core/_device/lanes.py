@@ -137,7 +137,8 @@ def wait_all(tickets: Iterable[Ticket | None]) -> None:
             ticket.wait()
 
 
-_STOP = object()
+#: One queued operation: what to run, the tickets it waits for, the ticket it finishes.
+_Job = tuple[Callable[[], "int | None"], tuple["Ticket", ...], "Ticket"]
 
 
 class Lane:
@@ -154,7 +155,7 @@ class Lane:
     def __init__(self, name: str, settings: LaneSettings | None = None) -> None:
         self.name = name
         self.settings = settings or LaneSettings()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -208,7 +209,7 @@ class Lane:
                 self._closed = True
                 thread, self._thread = self._thread, None
                 if thread is not None:
-                    self._queue.put(_STOP)  # after every job queued so far
+                    self._queue.put(None)  # after every job queued so far
         if thread is not None and thread is not threading.current_thread():
             # What was queued must have run (and the thread left torch's kernels) before exit.
             thread.join()
@@ -227,7 +228,7 @@ class Lane:
         thread.start()
         # The worker must not keep the lane alive; the lane stops it when collected. At
         # exit ``_close_all`` stops it instead (and waits), so this one does not run then.
-        weakref.finalize(self, self._queue.put, _STOP).atexit = False
+        weakref.finalize(self, self._queue.put, None).atexit = False
         self._thread = thread
         _LIVE.add(self)
 
@@ -257,18 +258,18 @@ def _nothing() -> None:
     return None
 
 
-def _work(jobs: queue.SimpleQueue, settings: LaneSettings) -> None:
+def _work(jobs: queue.SimpleQueue[_Job | None], settings: LaneSettings) -> None:
     """The lane's thread: run each job in order, pacing and jittering as configured."""
     rng = random.Random()
     while True:
         job = jobs.get()
-        if job is _STOP:
+        if job is None:  # the lane was closed: everything queued before has run
             return
         _run(job, settings, rng)
         del job
 
 
-def _run(job: tuple, settings: LaneSettings, rng: random.Random) -> None:
+def _run(job: _Job, settings: LaneSettings, rng: random.Random) -> None:
     """Run one queued operation after the tickets it waits for; finish its ticket."""
     operation, waits, ticket = job
     error: BaseException | None = None

@@ -11,7 +11,7 @@ by op, updates one parameter at a time the same way.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from swapopt_core._errors import SwapOptError
 from swapopt_core._mindspore.adapter import GraphCache, MindSporeAdapter, Work
@@ -248,7 +248,7 @@ class MindFormersAdamWAdapter(_DecoupledDecay):
         params = optimizer._parameters
         if all(m is p for m, p in zip(masters, params, strict=True)):
             return None
-        return masters
+        return cast("Sequence[Any]", masters)
 
     def update(self, optimizer: Any, prepared: Any, index: int, states: Mapping[str, Any]) -> Any:
         from mindformers.core.optim.adamw import _adamw_opt

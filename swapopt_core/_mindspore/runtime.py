@@ -283,4 +283,4 @@ def numpy_dtype(dtype: Any) -> np.dtype:
     """The numpy dtype MindSpore uses for ``dtype`` on the host (bfloat16 included)."""
     from mindspore import mint
 
-    return mint.empty((0,), dtype=dtype).asnumpy().dtype
+    return np.dtype(mint.empty((0,), dtype=dtype).asnumpy().dtype)

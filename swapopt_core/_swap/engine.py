@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Protocol
 import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
-from swapopt_core._device.interface import TransferRuntime
+from swapopt_core._device.interface import AnyRuntime
 from swapopt_core._stats import SwapStats
 from swapopt_core._swap.ledger import DeviceLedger
 from swapopt_core._swap.ops import SwapSlot, Target, TensorOps
@@ -126,7 +126,7 @@ class EngineBase(ABC):
         optimizer: Any,
         config: SwapOptimizerConfig,
         adapter: Any,
-        runtime: TransferRuntime,
+        runtime: AnyRuntime,
         plugin_manager: pluggy.PluginManager,
     ) -> None:
         self.optimizer = optimizer
@@ -165,13 +165,13 @@ class EngineBase(ABC):
         ``device_types`` (torch ``"cuda"``, ``"cpu"``; MindSpore ``"Ascend"``, ``"CPU"``)."""
 
     @classmethod
-    def runtime_serves(cls, runtime: TransferRuntime, optimizer: Any) -> bool:
+    def runtime_serves(cls, runtime: AnyRuntime, optimizer: Any) -> bool:
         """Whether ``runtime`` serves the device of at least one of the parameters."""
-        return any(runtime.serves(device) for device in cls.param_devices(optimizer))  # type: ignore[arg-type]
+        return any(runtime.serves(device) for device in cls.param_devices(optimizer))
 
     @staticmethod
     @abstractmethod
-    def tensor_ops(runtime: TransferRuntime) -> TensorOps:
+    def tensor_ops(runtime: AnyRuntime) -> TensorOps:
         """The backend's tensor operations over ``runtime``."""
 
     @property

@@ -44,7 +44,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from swapopt_core._device.interface import TransferRuntime
+from swapopt_core._device.interface import AnyRuntime
 from swapopt_core._swap.ops import SwapSlot
 from swapopt_core._swap.staging import Staged, Staging
 
@@ -93,7 +93,7 @@ def deferred_interrupt() -> Iterator[None]:
             signal.raise_signal(signal.SIGINT)
 
 
-def write_back(kept: list[Staged], staging: Staging, runtime: TransferRuntime) -> None:
+def write_back(kept: list[Staged], staging: Staging, runtime: AnyRuntime) -> None:
     """Copy batches kept on the device by an interrupted step to host memory, then free them.
 
     Each batch leaves ``kept`` only once its copy has finished; on failure the rest stay.
@@ -123,7 +123,7 @@ class Pipeline:
         self,
         batches: Sequence[Sequence[SwapSlot]],
         staging: Staging,
-        runtime: TransferRuntime,
+        runtime: AnyRuntime,
         previous: Pipeline | None = None,
     ) -> None:
         self.batches = [list(batch) for batch in batches]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from swapopt_core._device.interface import TransferRuntime
+from swapopt_core._device.interface import AnyRuntime
 from swapopt_core._errors import SwapOptError
 from swapopt_core._swap.layout import LayoutPlan, plan_layout
 from swapopt_core._swap.ledger import DeviceLedger
@@ -47,7 +47,7 @@ class Staging:
 
     packed = False
 
-    def __init__(self, runtime: TransferRuntime, ops: TensorOps, ledger: DeviceLedger) -> None:
+    def __init__(self, runtime: AnyRuntime, ops: TensorOps, ledger: DeviceLedger) -> None:
         self.runtime = runtime
         self.ops = ops
         self.ledger = ledger
@@ -124,7 +124,7 @@ class PackedStaging(Staging):
 
     packed = True
 
-    def __init__(self, runtime: TransferRuntime, ops: TensorOps, ledger: DeviceLedger) -> None:
+    def __init__(self, runtime: AnyRuntime, ops: TensorOps, ledger: DeviceLedger) -> None:
         if not ops.views_at_offset:
             raise SwapOptError(
                 f"packed_swap=True needs device views at an offset, which the {runtime.name!r} "
@@ -218,7 +218,7 @@ class PackedStaging(Staging):
 
 
 def make_staging(
-    runtime: TransferRuntime, ops: TensorOps, ledger: DeviceLedger, packed: bool | None
+    runtime: AnyRuntime, ops: TensorOps, ledger: DeviceLedger, packed: bool | None
 ) -> Staging:
     """The staging ``packed`` asks for (``None``: the runtime's default)."""
     if packed is None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from swapopt_core._config import SwapOptimizerConfig
-from swapopt_core._device.interface import TransferRuntime
+from swapopt_core._device.interface import TorchRuntime
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.state import Slot, local_tensor, wrap_like
 
@@ -65,7 +65,7 @@ class StateBook:
     optimizer: torch.optim.Optimizer
     config: SwapOptimizerConfig
     adapter: OptimizerAdapter
-    runtime: TransferRuntime
+    runtime: TorchRuntime
     packed: bool
     slots: dict[SlotKey, Slot] = field(default_factory=dict)
 
@@ -242,7 +242,7 @@ class StateBook:
             for key in keys:
                 self.slots.pop((id(param), key), None)
             raise
-        state = self.optimizer.state[param]
+        state: MutableMapping[str, Any] = self.optimizer.state[param]
         state.update(fresh)
         return state
 

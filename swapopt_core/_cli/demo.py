@@ -69,7 +69,7 @@ class RunResult:
     state_bytes: int
     params: list[torch.Tensor]
     stats: SwapStats | None = None
-    cuda_peak_bytes: int | None = None
+    device_peak_bytes: int | None = None
 
 
 @dataclass
@@ -170,9 +170,15 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     )
 
 
+def _on_accelerator(device: torch.device) -> bool:
+    """Whether ``device`` is the accelerator torch was built for (CUDA, ROCm, XPU, MPS...)."""
+    current = torch.accelerator.current_accelerator(check_available=True)
+    return current is not None and device.type == current.type
+
+
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # time the step's kernels, not just their launch
-        torch.cuda.synchronize(device)
+    if _on_accelerator(device):  # time the step's kernels, not just their launch
+        torch.accelerator.synchronize(device)
 
 
 def _train(
@@ -189,8 +195,8 @@ def _train(
     opt = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.1)
     if config is not None:
         swap_optimizer(opt, config)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    if _on_accelerator(device):
+        torch.accelerator.reset_peak_memory_stats(device)
     label = "swapped AdamW" if config is not None else "plain AdamW"
     task = progress.add_task(label, total=len(batches), loss=float("nan"))
     first_loss, step_seconds, state_bytes = float("nan"), [], 0
@@ -217,7 +223,9 @@ def _train(
         state_bytes=state_bytes,
         params=[p.detach().cpu().clone() for p in model.parameters()],
         stats=swap_stats(opt) if config is not None else None,
-        cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        device_peak_bytes=(
+            torch.accelerator.max_memory_allocated(device) if _on_accelerator(device) else None
+        ),
     )
 
 
@@ -232,7 +240,8 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoReport
     Returns:
         Both runs' measurements.
     """
-    device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    device = torch.device(options.device or (accelerator.type if accelerator else "cpu"))
     config = SwapOptimizerConfig(
         swap_times=options.swap_times,
         packed_swap=options.packed,
@@ -305,13 +314,13 @@ def render_report(report: DemoReport) -> Table:
             f"{_ratio(swapped_peak, plain.state_bytes)} of plain",
         ),
     ]
-    if plain.cuda_peak_bytes is not None and swapped.cuda_peak_bytes is not None:
+    if plain.device_peak_bytes is not None and swapped.device_peak_bytes is not None:
         rows.append(
             (
-                "peak CUDA allocated",
-                _mib(plain.cuda_peak_bytes),
-                _mib(swapped.cuda_peak_bytes),
-                f"{_ratio(swapped.cuda_peak_bytes, plain.cuda_peak_bytes)} of plain",
+                "peak device memory allocated",
+                _mib(plain.device_peak_bytes),
+                _mib(swapped.device_peak_bytes),
+                f"{_ratio(swapped.device_peak_bytes, plain.device_peak_bytes)} of plain",
             )
         )
     rows += [

@@ -281,6 +281,7 @@ def _empty(numel: int, dtype: Any) -> np.ndarray:
 @functools.cache
 def numpy_dtype(dtype: Any) -> np.dtype:
     """The numpy dtype MindSpore uses for ``dtype`` on the host (bfloat16 included)."""
+    import numpy
     from mindspore import mint
 
-    return np.dtype(mint.empty((0,), dtype=dtype).asnumpy().dtype)
+    return numpy.dtype(mint.empty((0,), dtype=dtype).asnumpy().dtype)

@@ -26,9 +26,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,7 +45,7 @@ from swapopt_core.options import auto_enabled, read_settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SwapCallbackCore", "engine_refusal", "note_swapped_by", "release"]
+__all__ = ["SwapCallbackCore", "engine_refusal"]
 
 _STATE_VERSION = 1
 _C = TypeVar("_C", bound="SwapCallbackCore")
@@ -90,37 +89,6 @@ def engine_refusal(
         f"{who} cannot run with {setting}: {_ENGINES[engine]}{detail}. Use {own_offload} "
         f"without swapopt, or keep swapopt and {instead}."
     )
-
-
-class _Owner(Protocol):
-    def forget(self, optimizer: object) -> None: ...
-
-
-# Optimizer -> what swapped it through ``note_swapped_by`` (e.g. an accelerator's prepare).
-# NOTE: weak both ways, so this registry never keeps an optimizer or its owner alive.
-_swapped_by: weakref.WeakKeyDictionary[Any, weakref.ref[_Owner]] = weakref.WeakKeyDictionary()
-
-
-def note_swapped_by(optimizer: object, owner: _Owner) -> None:
-    """Record that ``owner`` swapped ``optimizer``, so that ``release`` can take it back."""
-    _swapped_by[optimizer] = weakref.ref(owner)
-
-
-def release(optimizer: object) -> bool:
-    """Take back a swap recorded by ``note_swapped_by``: unswap ``optimizer`` (state back on
-    the device, a plain optimizer again) and tell its owner to ``forget`` it. A swap made
-    some other way (``swap_optimizer``, a callback) is left alone.
-
-    Returns:
-        Whether a recorded swap was removed.
-    """
-    ref = _swapped_by.pop(optimizer, None)
-    owner = None if ref is None else ref()
-    if owner is None or not is_swap_optimizer(optimizer):
-        return False
-    owner.forget(optimizer)
-    unswap_optimizer(optimizer)
-    return True
 
 
 class SwapCallbackCore:

@@ -25,8 +25,9 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from swapopt_core import OffloadConfig, OffloadSession, SwapOptimizerConfig, SwapStats, swap_stats
-from swapopt_core.callbacks import SwapCallbackCore, engine_refusal, release
+from swapopt_core.callbacks import SwapCallbackCore, engine_refusal
 from swapopt_core.options import read_settings
+from swapopt_core.swaps import release
 
 __all__ = ["SwapOptimizerCallback", "install_globally"]
 

@@ -139,8 +139,11 @@ class SwapState:
                 unswap_optimizer(self.unwrap(opt))
 
     def offload(self) -> int:
-        """Take the state of every optimizer kept here to host memory; returns tensors moved."""
-        return sum(offload_optimizer_state(self.unwrap(opt)) for opt in self.optimizers)
+        """Take the state of every optimizer kept here to host memory (e.g. after a checkpoint
+        load put it on the device); returns the number of state tensors moved."""
+        moved = sum(offload_optimizer_state(self.unwrap(opt)) for opt in self.optimizers)
+        logger.debug("swapopt: %d optimizer state tensors offloaded to host memory", moved)
+        return moved
 
     def offload_session(self, how_to_set: str) -> OffloadSession:
         """The activation session (created once).

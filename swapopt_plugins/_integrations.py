@@ -13,6 +13,7 @@ it puts the integration's functions on the framework's class for the whole proce
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.util
@@ -143,10 +144,12 @@ class ClassPatch:
     Args:
         cls: The framework class, e.g. ``accelerate.Accelerator``.
         names: The methods to keep in ``own``; ``install`` may replace any of them.
+        read: Reads the settings from the environment; they have ``enabled``.
     """
 
-    def __init__(self, cls: type, names: tuple[str, ...]) -> None:
+    def __init__(self, cls: type, names: tuple[str, ...], read: Callable[[], Any]) -> None:
         self.cls = cls
+        self.read = read
         self.own: dict[str, Callable[..., Any]] = {name: cls.__dict__[name] for name in names}
         self.settings: Any = None  # what install read; None while not installed
         self.replaced: tuple[str, ...] = ()
@@ -161,7 +164,7 @@ class ClassPatch:
 
         return guarded
 
-    def install(self, read: Callable[[], Any], methods: Mapping[str, Callable[..., Any]]) -> bool:
+    def install(self, methods: Mapping[str, Callable[..., Any]]) -> bool:
         """Put ``methods`` on the class when the settings ``read()`` returns are ``enabled``.
 
         Reads nothing and changes nothing when installed already.
@@ -171,7 +174,7 @@ class ClassPatch:
         """
         if self.settings is not None:
             return True
-        settings = read()
+        settings = self.read()
         if not settings.enabled:
             logger.debug("swapopt: no swap asked for (SWAPOPT_*); %s unchanged", self.cls)
             return False
@@ -180,6 +183,14 @@ class ClassPatch:
         self.settings, self.replaced = settings, tuple(methods)
         logger.info("swapopt: every %s swaps its optimizers (%s)", self.cls.__name__, settings)
         return True
+
+    def installed(self) -> Any:
+        """The settings ``install`` read, or None when the patch is not in place."""
+        return self.settings
+
+    def copy_settings(self) -> Any:
+        """A copy of the settings ``install`` read (each caller its own), else ``read()``."""
+        return self.read() if self.settings is None else dataclasses.replace(self.settings)
 
     def uninstall(self) -> bool:
         """Put the class's own methods back; returns whether a patch was removed."""

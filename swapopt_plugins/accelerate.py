@@ -7,16 +7,14 @@ module's ``prepare`` and ``free_memory`` on the class), with no change to ``trai
 module functions take an ``Accelerator`` created elsewhere. All three ways in are the same
 functions (``prepare``, ``free_memory``, ``load_state``, ``offload_session``) over one
 ``swapopt_core.swaps.SwapState`` kept as ``accelerator._swapopt``: the settings
-(``SwapOptimizerPlugin``, whose ``None`` fields default from ``SWAPOPT_*``), the swapped
-optimizers and the activation session. The swap is installed in place on each
-``AcceleratedOptimizer``'s inner optimizer, so schedulers, the gradient scaler and
-accumulation keep working; loading needs no patch (the optimizer's ``load_state_dict``
-hooks put loaded state in host memory). See ``docs/accelerate.md``."""
+(``SwapOptimizerPlugin``, ``None`` fields from ``SWAPOPT_*``), the swapped optimizers and the
+activation session. The swap is installed in place on each ``AcceleratedOptimizer``'s inner
+optimizer, so schedulers, the gradient scaler and accumulation keep working; loading needs
+no patch (the optimizer's ``load_state_dict`` hooks put loaded state in host memory). See
+``docs/accelerate.md``."""
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import operator
 from typing import Any
 
@@ -29,8 +27,6 @@ from swapopt_core.callbacks import engine_refusal
 from swapopt_core.options import SwapSettings
 from swapopt_core.swaps import SwapState, release
 from swapopt_plugins._integrations import ClassPatch
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "SwapAccelerator",
@@ -45,10 +41,6 @@ __all__ = [
     "uninstall_globally",
 ]
 
-#: Accelerate's own methods, which the swapping ones call, kept before any patch.
-_patch = ClassPatch(Accelerator, ("prepare", "free_memory", "load_state"))
-_OWN = _patch.own
-
 
 class SwapOptimizerPlugin(SwapSettings):
     """Settings of the swap; each ``None`` field defaults from its ``SWAPOPT_*`` variable.
@@ -62,6 +54,11 @@ class SwapOptimizerPlugin(SwapSettings):
         ValueError: A field or environment variable has an invalid value; the message
             names it, shows the value and lists the accepted ones.
     """
+
+
+#: Keeps Accelerate's own methods, which the swapping ones call, and patches the class.
+_patch = ClassPatch(Accelerator, ("prepare", "free_memory", "load_state"), SwapOptimizerPlugin)
+_INNER = operator.attrgetter("optimizer")  # the torch optimizer of an AcceleratedOptimizer
 
 
 def _check_supported(accelerator: Accelerator, plugin: SwapSettings) -> None:
@@ -84,16 +81,10 @@ def _check_supported(accelerator: Accelerator, plugin: SwapSettings) -> None:
         )
 
 
-def _default() -> SwapOptimizerPlugin:
-    """Settings of an accelerator given none: those ``install_globally`` read, else the
-    environment's."""
-    installed = installed_plugin()
-    return SwapOptimizerPlugin() if installed is None else dataclasses.replace(installed)
-
-
 def _state(accelerator: Accelerator, plugin: SwapOptimizerPlugin | None = None) -> SwapState:
-    """The accelerator's swap state, created on first use (the first settings stay)."""
-    return SwapState.of(accelerator, plugin, _default, operator.attrgetter("optimizer"))
+    """The accelerator's swap state, created on first use with ``plugin``, else the settings
+    ``install_globally`` read (a copy), else the environment's; the first settings stay."""
+    return SwapState.of(accelerator, plugin, _patch.copy_settings, _INNER)
 
 
 def prepare(
@@ -115,7 +106,7 @@ def prepare(
     state = _state(accelerator, plugin)
     if any(isinstance(obj, torch.optim.Optimizer) for obj in objects):
         _check_supported(accelerator, state.plugin)
-    prepared = _OWN["prepare"](accelerator, *objects, device_placement=device_placement)
+    prepared = _patch.own["prepare"](accelerator, *objects, device_placement=device_placement)
     objs = prepared if isinstance(prepared, tuple) else (prepared,)
     state.install(obj for obj in objs if isinstance(obj, AcceleratedOptimizer))
     return prepared
@@ -124,23 +115,17 @@ def prepare(
 def free_memory(accelerator: Accelerator, *objects: Any) -> Any:
     """Unswap the optimizers swapped through ``accelerator`` (a reference still held keeps
     working, state back on the device), then Accelerate's ``free_memory(*objects)``."""
-    state = SwapState.find(accelerator)
-    if state is not None:
+    if (state := SwapState.find(accelerator)) is not None:
         state.unswap()
-    return _OWN["free_memory"](accelerator, *objects)
+    return _patch.own["free_memory"](accelerator, *objects)
 
 
-def load_state(
-    accelerator: Accelerator,
-    input_dir: str | None = None,
-    load_kwargs: dict | None = None,
-    **kwargs: Any,
-) -> None:
-    """Accelerate's ``load_state(...)``, then the loaded optimizer state back to host memory."""
-    _OWN["load_state"](accelerator, input_dir, load_kwargs, **kwargs)
-    state = SwapState.find(accelerator)
-    moved = 0 if state is None else state.offload()
-    logger.debug("swapopt: %d optimizer state tensors offloaded after load_state", moved)
+def load_state(accelerator: Accelerator, *args: Any, **kwargs: Any) -> None:
+    """Accelerate's ``load_state(input_dir, load_kwargs, **kwargs)``, then the loaded
+    optimizer state back to host memory."""
+    _patch.own["load_state"](accelerator, *args, **kwargs)
+    if (state := SwapState.find(accelerator)) is not None:
+        state.offload()
 
 
 def offload_session(accelerator: Accelerator) -> OffloadSession:
@@ -206,17 +191,10 @@ def install_globally() -> bool:
     Raises:
         ValueError: A ``SWAPOPT_*`` variable has an invalid value (the message names it).
     """
-    methods = {"prepare": _patch.guard("prepare", prepare), "free_memory": free_memory}
-    return _patch.install(SwapOptimizerPlugin, methods)
+    return _patch.install({"prepare": _patch.guard("prepare", prepare), "free_memory": free_memory})
 
 
-def uninstall_globally() -> bool:
-    """Put ``Accelerator``'s own methods back; returns whether a patch was removed.
-    Optimizers swapped meanwhile stay swapped (``free_memory(accelerator)`` unswaps them)."""
-    return _patch.uninstall()
-
-
-def installed_plugin() -> SwapOptimizerPlugin | None:
-    """The settings ``install_globally`` put in place, or ``None`` when it is not installed."""
-    installed: SwapOptimizerPlugin | None = _patch.settings
-    return installed
+#: ``uninstall_globally()`` puts ``Accelerator``'s own methods back (optimizers swapped
+#: meanwhile stay swapped: ``free_memory(accelerator)`` unswaps them); ``installed_plugin()``
+#: is the settings ``install_globally`` put in place, or None when it is not installed.
+uninstall_globally, installed_plugin = _patch.uninstall, _patch.installed

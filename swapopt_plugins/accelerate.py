@@ -71,9 +71,9 @@ def _check_supported(accelerator: Accelerator, plugin: SwapSettings) -> None:
     if plugin.enabled and engine is not None:
         raise ValueError(
             engine_refusal(
-                "swapopt",
                 f"distributed type {kind}",
                 engine,
+                who="swapopt",
                 own_offload="the engine's own offload (deepspeed_config: "
                 "offload_optimizer_device: cpu) with SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=none",
                 instead="train with DDP or FSDP2 (fsdp_version: 2) without cpu_offload",

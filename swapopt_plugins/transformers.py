@@ -37,7 +37,6 @@ def _refuse(args: TrainingArguments) -> None:
     if args.deepspeed:
         raise ValueError(
             engine_refusal(
-                "SwapOptimizerCallback",
                 f"TrainingArguments(deepspeed={args.deepspeed!r})",
                 "deepspeed",
                 own_offload="DeepSpeed's offload_optimizer",
@@ -47,7 +46,6 @@ def _refuse(args: TrainingArguments) -> None:
     if any("offload" in str(option) for option in args.fsdp or ()):
         raise ValueError(
             engine_refusal(
-                "SwapOptimizerCallback",
                 f"TrainingArguments(fsdp={args.fsdp!r})",
                 "fsdp-offload",
                 own_offload="FSDP's 'offload' option",

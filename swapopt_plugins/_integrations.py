@@ -176,7 +176,7 @@ class ClassPatch:
             return True
         settings = self.read()
         if not settings.enabled:
-            logger.debug("swapopt: no swap asked for (SWAPOPT_*); %s unchanged", self.cls)
+            logger.debug("swapopt: no swap asked for (SWAPOPT_*); %s unchanged", self.cls.__name__)
             return False
         for name, function in methods.items():
             setattr(self.cls, name, function)

@@ -25,7 +25,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
-import swapopt_core.callbacks  # noqa: E402
+import swapopt_core.swaps  # noqa: E402
 from swapopt_core import is_swap_optimizer  # noqa: E402
 from swapopt_core.options import ENV_VARS  # noqa: E402
 from swapopt_plugins.accelerate import (  # noqa: E402
@@ -152,7 +152,7 @@ def test_release_takes_back_only_a_swap_prepare_made(monkeypatch: pytest.MonkeyP
     unswap_optimizer(optimizer.optimizer)
     unswap_optimizer(mine)
     inner, state = weakref.ref(optimizer.optimizer), weakref.ref(accelerator._swapopt)
-    assert inner() in swapopt_core.callbacks._swapped_by
+    assert inner() in swapopt_core.swaps._swapped_by
     del accelerator, optimizer, prepared, mine, model
     _reset()
     gc.collect()

@@ -26,9 +26,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,7 +45,7 @@ from swapopt_core.options import auto_enabled, read_settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SwapCallbackCore", "engine_refusal", "note_swapped_by", "release"]
+__all__ = ["SwapCallbackCore", "deepspeed_offloads", "engine_refusal"]
 
 _STATE_VERSION = 1
 _C = TypeVar("_C", bound="SwapCallbackCore")
@@ -71,56 +70,44 @@ _ENGINES = {
 
 
 def engine_refusal(
-    who: str, setting: str, engine: str, *, own_offload: str, instead: str, detail: str = ""
+    setting: str,
+    engine: str,
+    *,
+    own_offload: str,
+    instead: str,
+    offloads: Sequence[str] = (),
+    who: str = "SwapOptimizerCallback",
 ) -> str:
     """Why ``who`` refuses a framework setting whose engine manages optimizer state itself.
 
     Args:
-        who: What refuses, e.g. ``"SwapOptimizerCallback"``.
         setting: The framework's setting as the user wrote it, e.g. ``"DeepSpeedStrategy"``.
         engine: ``"deepspeed"``, ``"megatron"`` or ``"fsdp-offload"``.
         own_offload: How to get the engine's own offload instead of swapopt's.
         instead: What to change to keep swapopt, e.g. ``"train with strategy='ddp'"``.
-        detail: Appended to the engine's sentence, e.g. what it offloads already.
+        offloads: What the engine offloads already (``deepspeed_offloads``), named in the
+            message.
+        who: What refuses, default ``"SwapOptimizerCallback"``.
 
     Returns:
         The message, for the framework's own exception type.
     """
+    detail = f" and already offloads it ({', '.join(offloads)})" if offloads else ""
     return (
         f"{who} cannot run with {setting}: {_ENGINES[engine]}{detail}. Use {own_offload} "
         f"without swapopt, or keep swapopt and {instead}."
     )
 
 
-class _Owner(Protocol):
-    def forget(self, optimizer: object) -> None: ...
-
-
-# Optimizer -> what swapped it through ``note_swapped_by`` (e.g. an accelerator's prepare).
-# NOTE: weak both ways, so this registry never keeps an optimizer or its owner alive.
-_swapped_by: weakref.WeakKeyDictionary[Any, weakref.ref[_Owner]] = weakref.WeakKeyDictionary()
-
-
-def note_swapped_by(optimizer: object, owner: _Owner) -> None:
-    """Record that ``owner`` swapped ``optimizer``, so that ``release`` can take it back."""
-    _swapped_by[optimizer] = weakref.ref(owner)
-
-
-def release(optimizer: object) -> bool:
-    """Take back a swap recorded by ``note_swapped_by``: unswap ``optimizer`` (state back on
-    the device, a plain optimizer again) and tell its owner to ``forget`` it. A swap made
-    some other way (``swap_optimizer``, a callback) is left alone.
-
-    Returns:
-        Whether a recorded swap was removed.
-    """
-    ref = _swapped_by.pop(optimizer, None)
-    owner = None if ref is None else ref()
-    if owner is None or not is_swap_optimizer(optimizer):
-        return False
-    owner.forget(optimizer)
-    unswap_optimizer(optimizer)
-    return True
+def deepspeed_offloads(config: Mapping[str, Any] | None) -> list[str]:
+    """The parts a DeepSpeed config offloads already: ``offload_optimizer`` and/or
+    ``offload_param`` of ``zero_optimization``, where their ``device`` is not ``"none"``."""
+    zero = (config or {}).get("zero_optimization", {})
+    return [
+        key
+        for key in ("offload_optimizer", "offload_param")
+        if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"
+    ]
 
 
 class SwapCallbackCore:
@@ -218,6 +205,12 @@ class SwapCallbackCore:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset_run()
+
+    def identity(self) -> dict[str, Any]:
+        """What tells this callback's saved state from another's (a framework's state key):
+        the configs, and ``auto`` for one created from the environment."""
+        extra = {"auto": True} if self.auto else {}
+        return {"config": self.config, "activation_offload": self.activation_offload, **extra}
 
     def say(self, message: str, *args: object) -> None:
         """Log ``message`` at INFO, on rank zero only."""

@@ -6,16 +6,20 @@ installed and the ``SWAPOPT_*`` variables ask for something, it calls its integr
 ``install_globally()``: at once when the framework is imported already, else right after the
 script imports it. So ``swapopt run`` imports no framework the script does not use, and a
 plain ``swap_optimizer`` never imports Accelerate, Lightning or Transformers.
+
+``ClassPatch`` is how an ``install_globally`` reaches objects an unmodified script creates:
+it puts the integration's functions on the framework's class for the whole process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.util
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -24,7 +28,7 @@ from swapopt_core.options import enable_lightning_auto, read_settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Integration", "accelerate", "lightning", "transformers"]
+__all__ = ["ClassPatch", "Integration", "accelerate", "lightning", "transformers"]
 
 
 def _module_install(dotted: str) -> Callable[[], bool]:
@@ -129,6 +133,73 @@ class Integration:
         _after_import.add(self.frameworks[0], self._install)
         logger.debug("swapopt: %s switches on when the script imports it", self.name)
         return self.name
+
+
+class ClassPatch:
+    """Functions put on a framework class for the whole process, the class's own kept.
+
+    ``own`` holds the class's methods as they were when the patch was made (before any
+    ``install``): what the integration's functions call, and what ``uninstall`` puts back.
+
+    Args:
+        cls: The framework class, e.g. ``accelerate.Accelerator``.
+        names: The methods to keep in ``own``; ``install`` may replace any of them.
+        read: Reads the settings from the environment; they have ``enabled``.
+    """
+
+    def __init__(self, cls: type, names: tuple[str, ...], read: Callable[[], Any]) -> None:
+        self.cls = cls
+        self.read = read
+        self.own: dict[str, Callable[..., Any]] = {name: cls.__dict__[name] for name in names}
+        self.settings: Any = None  # what install read; None while not installed
+        self.replaced: tuple[str, ...] = ()
+
+    def guard(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function``, which turns back into the class's own ``name`` once uninstalled."""
+
+        def guarded(instance: object, *args: Any, **kwargs: Any) -> Any:
+            if self.settings is None:  # a reference taken to a patch since removed
+                return self.own[name](instance, *args, **kwargs)
+            return function(instance, *args, **kwargs)
+
+        return guarded
+
+    def install(self, methods: Mapping[str, Callable[..., Any]]) -> bool:
+        """Put ``methods`` on the class when the settings ``read()`` returns are ``enabled``.
+
+        Reads nothing and changes nothing when installed already.
+
+        Returns:
+            Whether the patch is in place.
+        """
+        if self.settings is not None:
+            return True
+        settings = self.read()
+        if not settings.enabled:
+            logger.debug("swapopt: no swap asked for (SWAPOPT_*); %s unchanged", self.cls.__name__)
+            return False
+        for name, function in methods.items():
+            setattr(self.cls, name, function)
+        self.settings, self.replaced = settings, tuple(methods)
+        logger.info("swapopt: every %s swaps its optimizers (%s)", self.cls.__name__, settings)
+        return True
+
+    def installed(self) -> Any:
+        """The settings ``install`` read, or None when the patch is not in place."""
+        return self.settings
+
+    def copy_settings(self) -> Any:
+        """A copy of the settings ``install`` read (each caller its own), else ``read()``."""
+        return self.read() if self.settings is None else dataclasses.replace(self.settings)
+
+    def uninstall(self) -> bool:
+        """Put the class's own methods back; returns whether a patch was removed."""
+        if self.settings is None:
+            return False
+        for name in self.replaced:
+            setattr(self.cls, name, self.own[name])
+        self.settings, self.replaced = None, ()
+        return True
 
 
 accelerate = Integration(

@@ -6,35 +6,27 @@ module's ``prepare`` and ``free_memory`` on the class), with no change to ``trai
 ``SwapAccelerator`` has them as its own methods under plain ``accelerate launch``, and the
 module functions take an ``Accelerator`` created elsewhere. All three ways in are the same
 functions (``prepare``, ``free_memory``, ``load_state``, ``offload_session``) over one
-``_SwapState`` kept as ``accelerator._swapopt``: the settings (``SwapOptimizerPlugin``, whose
-``None`` fields default from ``SWAPOPT_*``), the swapped optimizers and the activation session.
-The swap is installed in place on each ``AcceleratedOptimizer``'s inner optimizer, so
-schedulers, the gradient scaler and accumulation keep working; loading needs no patch (the
-optimizer's ``load_state_dict`` hooks put loaded state in host memory). See
-``docs/accelerate.md``.
-"""
+``swapopt_core.swaps.SwapState`` kept as ``accelerator._swapopt``: the settings
+(``SwapOptimizerPlugin``, ``None`` fields from ``SWAPOPT_*``), the swapped optimizers and the
+activation session. The swap is installed in place on each ``AcceleratedOptimizer``'s inner
+optimizer, so schedulers, the gradient scaler and accumulation keep working; loading needs
+no patch (the optimizer's ``load_state_dict`` hooks put loaded state in host memory). See
+``docs/accelerate.md``."""
 
 from __future__ import annotations
 
-import dataclasses
-import logging
+import operator
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
-from swapopt_core import (
-    OffloadSession,
-    is_swap_optimizer,
-    offload_optimizer_state,
-    swap_optimizer,
-    unswap_optimizer,
-)
-from swapopt_core.callbacks import engine_refusal, note_swapped_by, release
+from swapopt_core import OffloadSession
+from swapopt_core.callbacks import engine_refusal
 from swapopt_core.options import SwapSettings
-
-logger = logging.getLogger(__name__)
+from swapopt_core.swaps import SwapState, release
+from swapopt_plugins._integrations import ClassPatch
 
 __all__ = [
     "SwapAccelerator",
@@ -48,11 +40,6 @@ __all__ = [
     "release",
     "uninstall_globally",
 ]
-
-_ATTR = "_swapopt"  # the one attribute swapopt sets on an accelerator: its _SwapState
-#: Accelerate's own methods, which the swapping ones call (taken before any patch).
-_OWN = {name: Accelerator.__dict__[name] for name in ("prepare", "free_memory", "load_state")}
-_installed: SwapOptimizerPlugin | None = None  # the settings read by install_globally
 
 
 class SwapOptimizerPlugin(SwapSettings):
@@ -69,7 +56,12 @@ class SwapOptimizerPlugin(SwapSettings):
     """
 
 
-def _check_supported(accelerator: Accelerator, plugin: SwapOptimizerPlugin) -> None:
+#: Keeps Accelerate's own methods, which the swapping ones call, and patches the class.
+_patch = ClassPatch(Accelerator, ("prepare", "free_memory", "load_state"), SwapOptimizerPlugin)
+_INNER = operator.attrgetter("optimizer")  # the torch optimizer of an AcceleratedOptimizer
+
+
+def _check_supported(accelerator: Accelerator, plugin: SwapSettings) -> None:
     """Refuse a distributed type that manages optimizer state itself (when the swap is on)."""
     kind = accelerator.distributed_type.value
     fsdp = getattr(accelerator.state, "fsdp_plugin", None)
@@ -79,9 +71,9 @@ def _check_supported(accelerator: Accelerator, plugin: SwapOptimizerPlugin) -> N
     if plugin.enabled and engine is not None:
         raise ValueError(
             engine_refusal(
-                "swapopt",
                 f"distributed type {kind}",
                 engine,
+                who="swapopt",
                 own_offload="the engine's own offload (deepspeed_config: "
                 "offload_optimizer_device: cpu) with SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=none",
                 instead="train with DDP or FSDP2 (fsdp_version: 2) without cpu_offload",
@@ -89,54 +81,10 @@ def _check_supported(accelerator: Accelerator, plugin: SwapOptimizerPlugin) -> N
         )
 
 
-class _SwapState:
-    """What swapopt keeps on one accelerator: settings, swapped optimizers, session."""
-
-    def __init__(self, plugin: SwapOptimizerPlugin) -> None:
-        self.plugin = plugin
-        self.optimizers: list[AcceleratedOptimizer] = []
-        self.session: OffloadSession | None = None
-
-    def install(self, prepared: Any) -> None:
-        """Swap the inner optimizer of each ``AcceleratedOptimizer`` in ``prepared``, once."""
-        if not self.plugin.enabled:
-            return
-        config = self.plugin.swap_config()
-        for obj in prepared if isinstance(prepared, tuple) else (prepared,):
-            if not isinstance(obj, AcceleratedOptimizer) or any(obj is o for o in self.optimizers):
-                continue
-            if is_swap_optimizer(obj.optimizer):
-                logger.info("swapopt: %s was swapped already; kept", type(obj.optimizer).__name__)
-            else:
-                swap_optimizer(obj.optimizer, config)
-                note_swapped_by(obj.optimizer, self)  # so that release() can take it back
-            self.optimizers.append(obj)
-
-    def forget(self, optimizer: object) -> None:
-        """Drop ``optimizer`` (unswapped by ``release``): the next ``prepare`` swaps it again."""
-        self.optimizers = [opt for opt in self.optimizers if opt.optimizer is not optimizer]
-
-    def unswap(self) -> None:
-        optimizers, self.optimizers, self.session = self.optimizers, [], None
-        for opt in optimizers:
-            if not release(opt.optimizer):  # kept ones, swapped before prepare, too
-                unswap_optimizer(opt.optimizer)
-
-
-def _state(accelerator: Accelerator, plugin: SwapOptimizerPlugin | None = None) -> _SwapState:
-    """The accelerator's swap state, created on first use (settings: ``plugin``, else those
-    ``install_globally`` read, else the environment); the first settings stay."""
-    state = accelerator.__dict__.get(_ATTR)
-    if state is None:
-        if plugin is None:
-            plugin = (
-                SwapOptimizerPlugin() if _installed is None else dataclasses.replace(_installed)
-            )
-        state = _SwapState(plugin)
-        setattr(accelerator, _ATTR, state)
-    elif plugin is not None and plugin != state.plugin:
-        logger.warning("swapopt: the accelerator keeps its first settings %s", state.plugin)
-    return state
+def _state(accelerator: Accelerator, plugin: SwapOptimizerPlugin | None = None) -> SwapState:
+    """The accelerator's swap state, created on first use with ``plugin``, else the settings
+    ``install_globally`` read (a copy), else the environment's; the first settings stay."""
+    return SwapState.of(accelerator, plugin, _patch.copy_settings, _INNER)
 
 
 def prepare(
@@ -158,39 +106,26 @@ def prepare(
     state = _state(accelerator, plugin)
     if any(isinstance(obj, torch.optim.Optimizer) for obj in objects):
         _check_supported(accelerator, state.plugin)
-    prepared = _OWN["prepare"](accelerator, *objects, device_placement=device_placement)
-    state.install(prepared)
+    prepared = _patch.own["prepare"](accelerator, *objects, device_placement=device_placement)
+    objs = prepared if isinstance(prepared, tuple) else (prepared,)
+    state.install(obj for obj in objs if isinstance(obj, AcceleratedOptimizer))
     return prepared
-
-
-def _patched_prepare(
-    self: Accelerator, *args: Any, device_placement: list[bool] | None = None
-) -> Any:
-    """``Accelerator.prepare`` while ``install_globally`` is in force: the swapping one."""
-    if _installed is None:  # a reference taken to a patch since removed
-        return _OWN["prepare"](self, *args, device_placement=device_placement)
-    return prepare(self, *args, device_placement=device_placement)
 
 
 def free_memory(accelerator: Accelerator, *objects: Any) -> Any:
     """Unswap the optimizers swapped through ``accelerator`` (a reference still held keeps
     working, state back on the device), then Accelerate's ``free_memory(*objects)``."""
-    if _ATTR in accelerator.__dict__:
-        _state(accelerator).unswap()
-    return _OWN["free_memory"](accelerator, *objects)
+    if (state := SwapState.find(accelerator)) is not None:
+        state.unswap()
+    return _patch.own["free_memory"](accelerator, *objects)
 
 
-def load_state(
-    accelerator: Accelerator,
-    input_dir: str | None = None,
-    load_kwargs: dict | None = None,
-    **kwargs: Any,
-) -> None:
-    """Accelerate's ``load_state(...)``, then the loaded optimizer state back to host memory."""
-    _OWN["load_state"](accelerator, input_dir, load_kwargs, **kwargs)
-    optimizers = _state(accelerator).optimizers if _ATTR in accelerator.__dict__ else []
-    moved = sum(offload_optimizer_state(opt.optimizer) for opt in optimizers)
-    logger.debug("swapopt: %d optimizer state tensors offloaded after load_state", moved)
+def load_state(accelerator: Accelerator, *args: Any, **kwargs: Any) -> None:
+    """Accelerate's ``load_state(input_dir, load_kwargs, **kwargs)``, then the loaded
+    optimizer state back to host memory."""
+    _patch.own["load_state"](accelerator, *args, **kwargs)
+    if (state := SwapState.find(accelerator)) is not None:
+        state.offload()
 
 
 def offload_session(accelerator: Accelerator) -> OffloadSession:
@@ -200,16 +135,8 @@ def offload_session(accelerator: Accelerator) -> OffloadSession:
         ValueError: No activation budget is set (``activation_budget_mb`` /
             ``SWAPOPT_ACTIVATION_BUDGET_MB``).
     """
-    state = _state(accelerator)
-    if state.session is None:
-        config = state.plugin.offload_config()
-        if config is None:
-            raise ValueError(
-                "No activation budget is set, so there is no offload session. Set "
-                "SwapOptimizerPlugin(activation_budget_mb=...) or SWAPOPT_ACTIVATION_BUDGET_MB."
-            )
-        state.session = OffloadSession(config)
-    return state.session
+    how = "SwapOptimizerPlugin(activation_budget_mb=...) or SWAPOPT_ACTIVATION_BUDGET_MB"
+    return _state(accelerator).offload_session(how)
 
 
 class SwapAccelerator(Accelerator):
@@ -242,7 +169,7 @@ class SwapAccelerator(Accelerator):
     @property
     def swap_plugin(self) -> SwapOptimizerPlugin:
         """The swap settings of this accelerator."""
-        return _state(self).plugin
+        return _state(self).plugin  # type: ignore[return-value]
 
     prepare = prepare  # type: ignore[assignment]
     free_memory = free_memory
@@ -264,31 +191,10 @@ def install_globally() -> bool:
     Raises:
         ValueError: A ``SWAPOPT_*`` variable has an invalid value (the message names it).
     """
-    global _installed
-    if _installed is not None:
-        return True
-    plugin = SwapOptimizerPlugin()
-    if not plugin.enabled:
-        logger.debug("swapopt: SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE is not cpu; Accelerator unchanged")
-        return False
-    Accelerator.prepare = _patched_prepare  # type: ignore[method-assign]
-    Accelerator.free_memory = free_memory  # type: ignore[method-assign]
-    _installed = plugin
-    logger.info("swapopt: every Accelerator swaps the optimizers it prepares (%s)", plugin)
-    return True
+    return _patch.install({"prepare": _patch.guard("prepare", prepare), "free_memory": free_memory})
 
 
-def uninstall_globally() -> bool:
-    """Put ``Accelerator``'s own methods back; returns whether a patch was removed.
-    Optimizers swapped meanwhile stay swapped (``free_memory(accelerator)`` unswaps them)."""
-    global _installed
-    if _installed is None:
-        return False
-    Accelerator.prepare, Accelerator.free_memory = _OWN["prepare"], _OWN["free_memory"]
-    _installed = None
-    return True
-
-
-def installed_plugin() -> SwapOptimizerPlugin | None:
-    """The settings ``install_globally`` put in place, or ``None`` when it is not installed."""
-    return _installed
+#: ``uninstall_globally()`` puts ``Accelerator``'s own methods back (optimizers swapped
+#: meanwhile stay swapped: ``free_memory(accelerator)`` unswaps them); ``installed_plugin()``
+#: is the settings ``install_globally`` put in place, or None when it is not installed.
+uninstall_globally, installed_plugin = _patch.uninstall, _patch.installed

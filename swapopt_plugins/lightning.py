@@ -15,9 +15,10 @@ installed, ``SwapOptimizerCallback`` names ``LightningSwapOptimizerCallback``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
-from swapopt_core.callbacks import SwapCallbackCore, engine_refusal
+from swapopt_core.callbacks import SwapCallbackCore, deepspeed_offloads, engine_refusal
 
 # ``install_globally()`` adds the callback to every Trainer (what ``swapopt run`` calls): it
 # sets ``SWAPOPT_LIGHTNING_AUTO=1`` when the ``SWAPOPT_*`` variables ask for a swap.
@@ -25,12 +26,10 @@ from swapopt_core.options import enable_lightning_auto as install_globally
 
 try:
     import pytorch_lightning as _pl
-    from pytorch_lightning.utilities.exceptions import MisconfigurationException as _PLError
 except ImportError:  # pragma: no cover - only the unified `lightning` package installed
     _pl = None
 try:
     import lightning.pytorch as _lp
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException as _LPError
 except ImportError:  # pragma: no cover - only `pytorch_lightning` installed
     _lp = None
 if _pl is None and _lp is None:  # pragma: no cover
@@ -60,23 +59,15 @@ def _refusal(strategy: object) -> str | None:
     names = {cls.__name__ for cls in type(strategy).__mro__}
     kind, offload = type(strategy).__name__, getattr(strategy, "cpu_offload", None)
     if "DeepSpeedStrategy" in names:
-        zero = (getattr(strategy, "config", None) or {}).get("zero_optimization", {})
-        offloads = [
-            key
-            for key in ("offload_optimizer", "offload_param")
-            if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"
-        ]
         return engine_refusal(
-            "SwapOptimizerCallback",
             kind,
             "deepspeed",
-            detail=f" and already offloads it ({', '.join(offloads)})" if offloads else "",
+            offloads=deepspeed_offloads(getattr(strategy, "config", None)),
             own_offload="DeepSpeedStrategy(offload_optimizer=True)",
             instead="train with strategy='ddp' or FSDP without cpu_offload",
         )
     if "FSDPStrategy" in names and (offload is True or getattr(offload, "offload_params", 0)):
         return engine_refusal(
-            "SwapOptimizerCallback",
             f"{kind}(cpu_offload={offload!r})",
             "fsdp-offload",
             own_offload="FSDP's cpu_offload",
@@ -90,17 +81,11 @@ class _SwapHooks(SwapCallbackCore):
 
     #: What ``setup`` raises for a strategy it cannot serve (the package's own exception).
     _misconfiguration: ClassVar[type[Exception]] = ValueError
-
-    if TYPE_CHECKING:  # given by Lightning's Callback, which the concrete classes derive from
-
-        def _generate_state_key(self, **kwargs: Any) -> str: ...
+    _generate_state_key: Callable[..., str]  # from Lightning's Callback, a base of both classes
 
     @property
     def state_key(self) -> str:
-        extra = {"auto": True} if self.auto else {}
-        return self._generate_state_key(
-            config=self.config, activation_offload=self.activation_offload, **extra
-        )
+        return self._generate_state_key(**self.identity())
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.rank_zero = trainer.is_global_zero
@@ -108,26 +93,20 @@ class _SwapHooks(SwapCallbackCore):
         others = [c for c in trainer.callbacks if isinstance(c, _SwapHooks) and c is not self]
         if stage != "fit" or self.stand_by(others):
             return
-        reason = _refusal(trainer.strategy)
-        if reason is not None:
+        if (reason := _refusal(trainer.strategy)) is not None:
             raise self._misconfiguration(reason)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if not self.active:
             return
         optimizers = list(trainer.strategy.optimizers)
-        real = [
-            o
-            for o in optimizers
-            if f"{type(o).__module__}.{type(o).__qualname__}" not in _PLACEHOLDERS
-        ]
+        names = [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers]
+        real = [o for o, name in zip(optimizers, names, strict=True) if name not in _PLACEHOLDERS]
         self.rank_zero = trainer.is_global_zero
         if len(real) < len(optimizers):
             # NOTE: Lightning trains such a module with a stand-in that has no state.
             self.nothing_to_swap("configure_optimizers returned None (no optimizer)")
-        self.install(
-            real, automatic=pl_module.automatic_optimization, rank_zero=trainer.is_global_zero
-        )
+        self.install(real, automatic=pl_module.automatic_optimization, rank_zero=self.rank_zero)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Lightning restored the checkpoint after on_fit_start and moved the state to the
@@ -172,7 +151,7 @@ if _lp is not None:
         ``lightning.pytorch.callbacks_factory`` entry point adds.
         """
 
-        _misconfiguration = _LPError
+        _misconfiguration = _lp.utilities.exceptions.MisconfigurationException
 
 else:  # pragma: no cover - only `pytorch_lightning` installed
     LightningSwapOptimizerCallback = None  # type: ignore[assignment, misc]
@@ -203,7 +182,7 @@ if _pl is not None:
             >>> trainer = Trainer(callbacks=[swap])
         """
 
-        _misconfiguration = _PLError
+        _misconfiguration = _pl.utilities.exceptions.MisconfigurationException
 
 else:  # pragma: no cover - only the unified `lightning` package installed
     SwapOptimizerCallback = LightningSwapOptimizerCallback  # type: ignore[assignment, misc]

@@ -25,8 +25,9 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from swapopt_core import OffloadConfig, OffloadSession, SwapOptimizerConfig, SwapStats, swap_stats
-from swapopt_core.callbacks import SwapCallbackCore, engine_refusal, release
+from swapopt_core.callbacks import SwapCallbackCore, engine_refusal
 from swapopt_core.options import read_settings
+from swapopt_core.swaps import release
 
 __all__ = ["SwapOptimizerCallback", "install_globally"]
 
@@ -36,7 +37,6 @@ def _refuse(args: TrainingArguments) -> None:
     if args.deepspeed:
         raise ValueError(
             engine_refusal(
-                "SwapOptimizerCallback",
                 f"TrainingArguments(deepspeed={args.deepspeed!r})",
                 "deepspeed",
                 own_offload="DeepSpeed's offload_optimizer",
@@ -46,7 +46,6 @@ def _refuse(args: TrainingArguments) -> None:
     if any("offload" in str(option) for option in args.fsdp or ()):
         raise ValueError(
             engine_refusal(
-                "SwapOptimizerCallback",
                 f"TrainingArguments(fsdp={args.fsdp!r})",
                 "fsdp-offload",
                 own_offload="FSDP's 'offload' option",

@@ -1,0 +1,160 @@
+"""Which optimizers were swapped by whom, so that the swap can be taken back.
+
+An integration that swaps optimizers on a framework object it does not own (an
+``Accelerator``'s ``prepare``) keeps a ``SwapState`` on that object: the settings it read
+once, the prepared optimizers and the activation session. ``release`` takes back one swap
+such a state made (``note_swapped_by``), wherever the optimizer is used next, e.g. when a
+``transformers.Trainer`` callback takes over an optimizer an accelerator swapped. Nothing
+here imports a training framework.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+
+from swapopt_core import (
+    OffloadSession,
+    is_swap_optimizer,
+    offload_optimizer_state,
+    swap_optimizer,
+    unswap_optimizer,
+)
+from swapopt_core.options import SwapSettings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SwapState", "note_swapped_by", "release"]
+
+
+class _Owner(Protocol):
+    def forget(self, optimizer: object) -> None: ...
+
+
+# Optimizer -> what swapped it through ``note_swapped_by`` (e.g. an accelerator's prepare).
+# NOTE: weak both ways, so this registry never keeps an optimizer or its owner alive.
+_swapped_by: weakref.WeakKeyDictionary[Any, weakref.ref[_Owner]] = weakref.WeakKeyDictionary()
+
+
+def note_swapped_by(optimizer: object, owner: _Owner) -> None:
+    """Record that ``owner`` swapped ``optimizer``, so that ``release`` can take it back."""
+    _swapped_by[optimizer] = weakref.ref(owner)
+
+
+def release(optimizer: object) -> bool:
+    """Take back a swap recorded by ``note_swapped_by``: unswap ``optimizer`` (state back on
+    the device, a plain optimizer again) and tell its owner to ``forget`` it. A swap made
+    some other way (``swap_optimizer``, a callback) is left alone.
+
+    Returns:
+        Whether a recorded swap was removed.
+    """
+    ref = _swapped_by.pop(optimizer, None)
+    owner = None if ref is None else ref()
+    if owner is None or not is_swap_optimizer(optimizer):
+        return False
+    owner.forget(optimizer)
+    unswap_optimizer(optimizer)
+    return True
+
+
+class SwapState:
+    """What swapopt keeps on one framework object: settings, swapped optimizers, session.
+
+    Kept as the object's one attribute ``_swapopt`` (``of``); the first settings stay.
+
+    Args:
+        plugin: The settings, read once (``SwapSettings`` or a framework's subclass).
+        unwrap: The torch optimizer inside one of the framework's prepared optimizers.
+
+    Attributes:
+        plugin: The settings.
+        optimizers: The framework's prepared optimizers this state swapped or kept.
+        session: The activation ``OffloadSession``, once ``offload_session`` made it.
+    """
+
+    ATTR = "_swapopt"
+
+    def __init__(
+        self, plugin: SwapSettings, unwrap: Callable[[Any], torch.optim.Optimizer]
+    ) -> None:
+        self.plugin = plugin
+        self.unwrap = unwrap
+        self.optimizers: list[Any] = []
+        self.session: OffloadSession | None = None
+
+    @classmethod
+    def of(
+        cls,
+        holder: object,
+        plugin: SwapSettings | None,
+        default: Callable[[], SwapSettings],
+        unwrap: Callable[[Any], torch.optim.Optimizer],
+    ) -> SwapState:
+        """``holder``'s state, created on first use with ``plugin``, else ``default()``."""
+        state = cls.find(holder)
+        if state is None:
+            state = cls(default() if plugin is None else plugin, unwrap)
+            setattr(holder, cls.ATTR, state)
+        elif plugin is not None and plugin != state.plugin:
+            name = type(holder).__name__
+            logger.warning("swapopt: the %s keeps its first settings %s", name, state.plugin)
+        return state
+
+    @classmethod
+    def find(cls, holder: object) -> SwapState | None:
+        """``holder``'s state, or None when swapopt never used it."""
+        state: SwapState | None = vars(holder).get(cls.ATTR)
+        return state
+
+    def install(self, prepared: Iterable[Any]) -> None:
+        """Swap the torch optimizer inside each of ``prepared`` (once each), when enabled."""
+        if not self.plugin.enabled:
+            return
+        config = self.plugin.swap_config()
+        for obj in prepared:
+            if any(obj is o for o in self.optimizers):
+                continue
+            inner = self.unwrap(obj)
+            if is_swap_optimizer(inner):
+                logger.info("swapopt: %s was swapped already; kept", type(inner).__name__)
+            else:
+                swap_optimizer(inner, config)
+                note_swapped_by(inner, self)  # so that release() can take it back
+            self.optimizers.append(obj)
+
+    def forget(self, optimizer: object) -> None:
+        """Drop ``optimizer`` (unswapped by ``release``): the next ``install`` swaps it again."""
+        self.optimizers = [opt for opt in self.optimizers if self.unwrap(opt) is not optimizer]
+
+    def unswap(self) -> None:
+        """Unswap every optimizer kept here (also those swapped before) and drop the session."""
+        optimizers, self.optimizers, self.session = self.optimizers, [], None
+        for opt in optimizers:
+            if not release(self.unwrap(opt)):  # kept ones, swapped before prepare, too
+                unswap_optimizer(self.unwrap(opt))
+
+    def offload(self) -> int:
+        """Take the state of every optimizer kept here to host memory (e.g. after a checkpoint
+        load put it on the device); returns the number of state tensors moved."""
+        moved = sum(offload_optimizer_state(self.unwrap(opt)) for opt in self.optimizers)
+        logger.debug("swapopt: %d optimizer state tensors offloaded to host memory", moved)
+        return moved
+
+    def offload_session(self, how_to_set: str) -> OffloadSession:
+        """The activation session (created once).
+
+        Raises:
+            ValueError: No activation budget is set; ``how_to_set`` says how to set one.
+        """
+        if self.session is None:
+            config = self.plugin.offload_config()
+            if config is None:
+                message = "No activation budget is set, so there is no offload session."
+                raise ValueError(f"{message} Set {how_to_set}.")
+            self.session = OffloadSession(config)
+        return self.session

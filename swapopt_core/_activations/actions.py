@@ -90,7 +90,7 @@ class ActionRunner:
                 entry.nbytes,
             )
 
-    def evict(self, tables: ReplayTables, index: int, limit: int) -> None:
+    def evict(self, tables: ReplayTables, index: int, limit: float) -> None:
         """Evict resident storages op ``index`` does not touch, those ``tables`` says are
         needed last first, until the live bytes are at most ``limit``."""
         residency = self.scope.residency

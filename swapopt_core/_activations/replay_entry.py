@@ -8,7 +8,8 @@ the op, registers the storages some action needs (by id, at their recorded outpu
 keeps the recipes of storages to recompute, runs the ``post`` actions, and holds the plan's
 peak (``limit``): when the live activation bytes exceed the plan's simulated peak, or would
 once the op's actions and outputs allocate, it evicts the storages needed last (by the trace;
-those it no longer reads first) that the op does not touch (copy out, then release).
+those it no longer reads first) that the op does not touch (copy out, then release). The
+actions and the evictions themselves are an ``ActionRunner``'s (``_activations/actions.py``).
 
 A plan serves every step with its op sequence, whatever the sizes: a storage at most its
 planned size is registered at its live size (its host buffer is taken at the planned size,
@@ -32,21 +33,18 @@ plans are marked to register everything next time (``Plan.track``).
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
+from swapopt_core._activations.actions import ActionRunner
 from swapopt_core._activations.prediction import fresh_bytes
 from swapopt_core._activations.recipe import drop_recipes, keep_recipes
-from swapopt_core._activations.residency import Tracked
 from swapopt_core._activations.scope import Open, Scope, away_bytes
 from swapopt_core._activations.warmup import Seed, WarmupEntry
-from swapopt_core._planning.ir import Action, ActionKind
 
 if TYPE_CHECKING:
     from swapopt_core._activations.plans import Plan, PlanBook
@@ -54,9 +52,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["ReplayEntry"]
-
-# Those an action's net bytes depend on: reloads and recomputes allocate, releases free.
-_ALLOCATES = frozenset((ActionKind.COPY_H2D, ActionKind.RECOMPUTE))
 
 
 class ReplayEntry:
@@ -88,9 +83,7 @@ class ReplayEntry:
         self.blind = False  # some ops ran under tables that register only some storages
         self.unseen = 0  # planned bytes of live storages a blind replay never registered
         self.warmup: WarmupEntry | None = None  # who went on with the entry, after a fall-back
-        self.planned_recomputes = 0
-        self.evictions = 0  # storages evicted to hold the plan's peak
-        self._stale_recipes: set[int] = set()  # releases refused, logged once each
+        self.runner = ActionRunner(scope)  # runs the plan's actions, evicts to hold its peak
         self.follow(plan)
 
     def follow(self, plan: Plan) -> None:
@@ -112,6 +105,11 @@ class ReplayEntry:
         if not self.tables.track_all:
             # Nothing is registered (the plan has no action): the plan's peak stands for it.
             self.scope.residency.peak_bytes = self.tables.planned_peak
+
+    @property
+    def planned_recomputes(self) -> int:
+        """The ``RECOMPUTE`` actions the replay ran."""
+        return self.runner.recomputes
 
     @property
     def replayed_to_end(self) -> bool:
@@ -170,11 +168,11 @@ class ReplayEntry:
         if predicted > made:
             made = predicted
         if actions:
-            room = (self._live_net(actions) if self.grown else tables.pre_net[index]) + made
+            room = (self.runner.live_net(actions) if self.grown else tables.pre_net[index]) + made
             if residency.resident_bytes + room > self.limit:
                 self.hold_peak(index, room)  # before reloads and recomputes allocate
             for action in actions:
-                self._apply(action)
+                self.runner.apply(action)
         if residency.released or residency.pending_in:
             by_sid = residency.by_sid
             away = [
@@ -216,11 +214,11 @@ class ReplayEntry:
             )
         actions = tables.post[index]
         if actions:
-            room = self._live_net(actions) if self.grown else tables.post_net[index]
+            room = self.runner.live_net(actions) if self.grown else tables.post_net[index]
             if residency.resident_bytes + room > self.limit:
                 self.hold_peak(index, room)
             for action in actions:
-                self._apply(action)
+                self.runner.apply(action)
         drops = tables.drops[index]
         if drops:
             drop_recipes(drops, residency.by_sid)
@@ -269,79 +267,10 @@ class ReplayEntry:
         self.follow(self.plan)  # the same plan, every storage registered, the budget held
         return not registered_all
 
-    def _live_net(self, actions: tuple[Action, ...]) -> int:
-        """Bytes ``actions`` allocate less those they release, at the storages' live sizes."""
-        by_sid = self.scope.residency.by_sid
-        net = 0
-        for action in actions:
-            entry = by_sid.get(action.storage_id)
-            if entry is None or not entry.alive:
-                continue
-            if action.kind in _ALLOCATES and not entry.resident:
-                net += entry.nbytes
-            elif action.kind is ActionKind.RELEASE_DEVICE and entry.resident:
-                net -= entry.nbytes
-        return net
-
-    def _apply(self, action: Action) -> None:
-        residency = self.scope.residency
-        entry: Tracked | None = residency.by_sid.get(action.storage_id)
-        if entry is None or not entry.alive:
-            return
-        kind = action.kind
-        if kind is ActionKind.COPY_D2H:
-            residency.copy_out(entry)
-        elif kind is ActionKind.RELEASE_DEVICE:
-            if not entry.host_valid and entry.recipe is not None and not entry.recipe.intact():
-                self._refused(entry)
-            residency.release(entry)
-        elif kind is ActionKind.COPY_H2D:
-            residency.copy_in(entry)
-        elif kind is ActionKind.RELEASE_HOST:
-            residency.release_host(entry)
-        elif kind is ActionKind.RECOMPUTE and not entry.resident and entry.recipe is not None:
-            self.planned_recomputes += 1
-            residency.recompute(entry)
-
-    def _refused(self, entry: Tracked) -> None:
-        if entry.recipe is not None and entry.sid not in self._stale_recipes:
-            self._stale_recipes.add(entry.sid)
-            logger.warning(
-                "activation %d stays on the device: an input of %s, which made it, was "
-                "modified in place since, so it could not be recomputed (over the plan's "
-                "budget by %d bytes, still correct)",
-                entry.sid,
-                entry.recipe.name,
-                entry.nbytes,
-            )
-
     def hold_peak(self, index: int, room: int) -> None:
         """Evict resident storages op ``index`` does not touch, those needed last first,
         until the live bytes and ``room`` more fit under the plan's simulated peak."""
-        residency, tables = self.scope.residency, self.tables
-        touched = set(tables.touched[index])
-        limit = self.limit - room
-        if residency.resident_bytes <= limit:
-            return
-        uses = tables.uses
-
-        def next_use(sid: int) -> float:
-            ops = uses.get(sid, ())
-            at = bisect.bisect_right(ops, index)
-            return ops[at] if at < len(ops) else math.inf
-
-        candidates = [
-            e
-            for e in residency.by_sid.values()
-            if e.alive and e.resident and e.sid not in touched and e.sid not in residency.pending_in
-        ]
-        candidates.sort(key=lambda e: next_use(e.sid), reverse=True)
-        for entry in candidates:
-            if residency.resident_bytes <= limit:
-                return
-            if residency.copy_out(entry):
-                residency.release(entry)
-                self.evictions += 1
+        self.runner.evict(self.tables, index, self.limit - room)
 
     # ---- leaving the plan ----------------------------------------------------------------
 

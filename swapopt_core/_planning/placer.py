@@ -167,11 +167,11 @@ class GapPlacer:
                 self._reload(sched, m, g, i, state, back)
             m.run_op(i)
             for g in copy_at.get(i, ()):
-                if g.sid in m.on_device and not m.host.get(g.sid):
+                if g.sid in m.on_device and not m.host.valid(g.sid):
                     sched.add_post(i, g.sid, ActionKind.COPY_D2H)
                     m.copy_d2h(g.sid, "")
             for g in open_at.get(i, ()):
-                if g.sid in m.on_device and m.host.get(g.sid):
+                if g.sid in m.on_device and m.host.valid(g.sid):
                     state[g.key] = _OPEN
                     heapq.heappush(copying, (m.d2h.end.get(g.sid, 0.0), g.key))
             for sid in drop_host.get(i, ()):

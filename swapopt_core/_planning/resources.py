@@ -1,6 +1,7 @@
 """The accounts the ``Machine`` (``simulate.py``) keeps: the device bytes over time, whose
-frees may wait on the copies still using them; one copy link per direction; and the storages
-the replay's recipes hold alive. The machine decides what happens when; these keep count."""
+frees may wait on the copies still using them; the host copies and their bytes; one copy link
+per direction; and the storages the replay's recipes hold alive. The machine decides what
+happens when; these keep count."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from swapopt_core._planning.recipes import RecipeLife
 from swapopt_core._planning.results import CopySpan
 
-__all__ = ["CopyLink", "DeviceMemory", "RecipeHolds"]
+__all__ = ["CopyLink", "DeviceMemory", "HostCopies", "RecipeHolds"]
 
 
 class DeviceMemory:
@@ -50,6 +51,41 @@ class DeviceMemory:
         self.resident -= nbytes
         if self.record:
             self.timeline.append((now, self.resident))
+
+
+class HostCopies:
+    """The host copies of the simulated step: which storages have one, whether it is still
+    valid (a write on the device makes it stale), and the bytes they take with their peak."""
+
+    def __init__(self) -> None:
+        self.copies: dict[int, bool] = {}  # sid -> host copy valid
+        self.bytes = 0
+        self.peak = 0
+
+    def __contains__(self, sid: object) -> bool:
+        """Whether ``sid`` has a host copy, valid or stale."""
+        return sid in self.copies
+
+    def valid(self, sid: int) -> bool:
+        """Whether ``sid`` has a host copy that holds its current bytes."""
+        return self.copies.get(sid, False)
+
+    def write(self, sid: int, size: int) -> None:
+        """A copy out of ``sid`` (``size`` bytes) was issued: its host copy is valid."""
+        if sid not in self.copies:
+            self.bytes += size
+            self.peak = max(self.peak, self.bytes)
+        self.copies[sid] = True
+
+    def stale(self, sid: int) -> None:
+        """``sid`` was written on the device: a host copy of it no longer holds its bytes."""
+        if sid in self.copies:
+            self.copies[sid] = False
+
+    def drop(self, sid: int, size: int) -> None:
+        """Free the host copy of ``sid`` (``size`` bytes), if it has one."""
+        if self.copies.pop(sid, None) is not None:
+            self.bytes -= size
 
 
 class CopyLink:

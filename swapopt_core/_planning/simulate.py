@@ -27,14 +27,14 @@ Actions, issued at compute time ``t``:
   allocated when the recompute starts and the compute clock advances by the producer's
   duration. A valid host copy of ``s`` stays valid (the bytes are the same).
 
-**Recomputable.** The producer of ``s`` is the op of its first access, a write by an op marked
-``recompute``. With ``k`` the last op that has run (``i - 1`` in ``pre`` of op ``i``, ``i`` in
-``post``), ``s`` is recomputable when nothing in ops ``producer+1 .. k`` wrote ``s`` or any of
-the producer's *inputs* (the storages it accessed and did not create), and no input has been
-freed. A release without a host copy asks more: that ``s`` has a recipe (below) and that this
-holds until ``s`` is next read (or until the end, for a kept output; now, for a storage past
-its last access). Other outputs of the producer are temporaries of the recompute and are not
-counted.
+**Recomputable** (``recomputable.py``). The producer of ``s`` is the op of its first access,
+a write by an op marked ``recompute``. With ``k`` the last op that has run (``i - 1`` in
+``pre`` of op ``i``, ``i`` in ``post``), ``s`` is recomputable when nothing in ops
+``producer+1 .. k`` wrote ``s`` or any of the producer's *inputs* (the storages it accessed
+and did not create), and no input has been freed. A release without a host copy asks more:
+that ``s`` has a recipe (below) and that this holds until ``s`` is next read (or until the
+end, for a kept output; now, for a storage past its last access). Other outputs of the
+producer are temporaries of the recompute and are not counted.
 
 **Recipes** (``recipes.py``). As the replay does, the simulator keeps a recipe for every
 storage with a ``RECOMPUTE`` action or released without ever being copied out, from its
@@ -67,13 +67,13 @@ has neither a valid host copy nor a way to be recomputed.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 
 from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.ir import Action, ActionKind, ActivationTrace, ResidencySchedule
 from swapopt_core._planning.recipes import RecipeLife, recipe_lives
-from swapopt_core._planning.resources import CopyLink, DeviceMemory, RecipeHolds
+from swapopt_core._planning.recomputable import needed_until, recomputable
+from swapopt_core._planning.resources import CopyLink, DeviceMemory, HostCopies, RecipeHolds
 from swapopt_core._planning.results import CopySpan, RecomputeSpan, SimulationResult
 
 __all__ = [
@@ -153,11 +153,9 @@ class Machine:
         self.d2h = CopyLink("D2H", trace.d2h_bandwidth_gbps, spans)
         self.h2d = CopyLink("H2D", trace.h2d_bandwidth_gbps, spans)
         self.memory = DeviceMemory(record)
-        self.host_bytes = 0
-        self.peak_host = 0
         self.on_device: set[int] = set()
         self.dead: set[int] = set()
-        self.host: dict[int, bool] = {}  # sid -> host copy valid
+        self.host = HostCopies()
         self.release_wait = self.reload_wait = self.fetch_wait = self.recompute_ms = 0.0
         self.fetches = self.recomputes = self.demand_recomputes = 0
         self.done = -1  # the last op that has run
@@ -167,38 +165,11 @@ class Machine:
         # The replay's recipes (``recipes.py``): each holds its producer's inputs alive.
         self.holds = RecipeHolds(recipes or {})
 
-    def _written(self, sid: int, after: int, upto: int) -> bool:
-        """Whether an op in ``after+1 .. upto`` writes ``sid``."""
-        ops = self.ix.writes.get(sid, ())
-        return bisect_right(ops, upto) > bisect_right(ops, after)
-
     def recomputable(self, sid: int, upto: int | None = None) -> bool:
-        """Whether re-running ``sid``'s producer gives its bytes now (``upto=None``), or at
-        any point until op ``upto`` starts its successor (what a release needs: nothing may
-        spoil the recipe before the storage is read again)."""
-        ix = self.ix
-        op = ix.producer.get(sid)
-        if op is None or op > self.done or sid in self.dead:
-            return False
-        until = self.done if upto is None else upto
-        if self._written(sid, op, until):
-            return False
-        held = sid in self.holds.live  # its recipe keeps the inputs alive
-        for x in ix.recompute_inputs[sid]:
-            if x in self.dead or self._written(x, op, until):
-                return False
-            if upto is not None and not held and x not in ix.retained and ix.end[x] <= upto:
-                return False  # freed before the storage is needed again
-        return True
-
-    def _needed_until(self, sid: int) -> int:
-        """The op before the next access of ``sid`` (the last op for a kept output; now,
-        for a storage past its last access that only recipes hold)."""
-        ops = [op for op, _ in self.ix.by_storage.get(sid, ())]
-        k = bisect_right(ops, self.done)
-        if k < len(ops):
-            return ops[k] - 1
-        return self.ix.n - 1 if sid in self.ix.retained else self.done
+        """Whether re-running ``sid``'s producer gives its bytes now (``upto=None``), or until
+        op ``upto`` (the rule **Recomputable**, in ``recomputable.py``)."""
+        dead, recipes = self.dead, self.holds.live
+        return recomputable(self.ix, sid, done=self.done, dead=dead, recipes=recipes, upto=upto)
 
     def _known(self, sid: int, where: str, kind: ActionKind) -> int:
         size = self.ix.sizes.get(sid)
@@ -210,20 +181,20 @@ class Machine:
         size = self._known(sid, where, ActionKind.COPY_D2H)
         if sid not in self.on_device:
             raise ValueError(f"COPY_D2H {where}: storage {sid} is not on the device.")
-        if self.host.get(sid):
+        if self.host.valid(sid):
             self.ignored += 1
             return
         self.d2h.copy(sid, size, max(self.t, self.h2d.end.get(sid, 0.0)))
-        if sid not in self.host:
-            self.host_bytes += size
-            self.peak_host = max(self.peak_host, self.host_bytes)
-        self.host[sid] = True
+        self.host.write(sid, size)
 
     def release_device(self, sid: int, where: str) -> None:
         size = self._known(sid, where, ActionKind.RELEASE_DEVICE)
         if sid not in self.on_device or not (
-            self.host.get(sid)
-            or (sid in self.holds.live and self.recomputable(sid, self._needed_until(sid)))
+            self.host.valid(sid)
+            or (
+                sid in self.holds.live
+                and self.recomputable(sid, needed_until(self.ix, sid, self.done))
+            )
         ):
             self.ignored += 1
             return
@@ -239,7 +210,7 @@ class Machine:
         if sid in self.on_device:
             self.ignored += 1
             return
-        if not self.host.get(sid) or sid in self.dead:
+        if not self.host.valid(sid) or sid in self.dead:
             raise ValueError(f"COPY_H2D {where}: storage {sid} has no valid host copy.")
         self.memory.alloc(size, self.t)
         self.on_device.add(sid)
@@ -253,8 +224,7 @@ class Machine:
         if sid not in self.host or sid not in self.on_device:
             self.ignored += 1
             return
-        del self.host[sid]
-        self.host_bytes -= size
+        self.host.drop(sid, size)
 
     def recompute(self, sid: int, where: str, *, demand: bool = False) -> None:
         """Make ``sid`` again by re-running its producer (``RECOMPUTE``, or on demand)."""
@@ -296,7 +266,7 @@ class Machine:
     def demand(self, sid: int, where: str) -> None:
         """Bring ``sid`` back because something needs it now: fetch it, or recompute it."""
         size = self.ix.sizes[sid]
-        if self.host.get(sid) and sid not in self.dead:
+        if self.host.valid(sid) and sid not in self.dead:
             self.memory.alloc(size, self.t)
             self.on_device.add(sid)
             end = self._copy_in(sid, size, self.t)
@@ -340,8 +310,7 @@ class Machine:
             if wrote:
                 # A writer waits for a copy out still reading the storage.
                 ready = max(ready, self.d2h.end.get(sid, 0.0))
-                if sid in self.host:
-                    self.host[sid] = False
+                self.host.stale(sid)
             if ready > waited:
                 self.reload_wait += ready - waited
                 waited = ready
@@ -358,7 +327,7 @@ class Machine:
         last access it is die, unless a recipe holds them."""
         holds = self.holds
         for sid in holds.drops.get(i, ()):
-            if sid in holds.live and (sid in self.on_device or self.host.get(sid)):
+            if sid in holds.live and (sid in self.on_device or self.host.valid(sid)):
                 self._let_go(sid)
         for sid in self.ix.freed_at[i]:
             if holds.holders.get(sid):
@@ -370,9 +339,7 @@ class Machine:
         size = self.ix.sizes[sid]
         self.dead.add(sid)
         self.holds.held.discard(sid)
-        if sid in self.host:
-            del self.host[sid]
-            self.host_bytes -= size
+        self.host.drop(sid, size)
         if sid in self.on_device:
             self.on_device.discard(sid)
             busy = max(self.d2h.end.get(sid, 0.0), self.h2d.end.get(sid, 0.0))
@@ -408,7 +375,7 @@ class Machine:
             release_wait_ms=self.release_wait,
             reload_wait_ms=self.reload_wait,
             demand_fetch_ms=self.fetch_wait,
-            peak_host_bytes=self.peak_host,
+            peak_host_bytes=self.host.peak,
             d2h_bytes=self.d2h.bytes,
             h2d_bytes=self.h2d.bytes,
             ignored_actions=self.ignored,

@@ -4,8 +4,9 @@ ledger of device bytes. The backends (``swapopt_core._torch``, ``swapopt_core._m
 supply their tensor operations and state bookkeeping; nothing here imports a backend.
 """
 
-from swapopt_core._swap.engine import ENGINE_ATTR, EngineBase, StepUnit, StepWork, engine_of
+from swapopt_core._swap.engine import ENGINE_ATTR, EngineBase, engine_of
 from swapopt_core._swap.ops import SwapSlot, TensorOps
+from swapopt_core._swap.step import StepUnit, StepWork
 
 __all__ = [
     "ENGINE_ATTR",

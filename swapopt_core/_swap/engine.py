@@ -8,8 +8,9 @@ The step is written once, here (``run_step``): write back what an interrupted st
 let the backend list the parameters to update (``open_step``), skip those an interrupted
 call with the same gradients finished, cut the rest into byte-balanced batches, and run them
 through the pipeline with an undo copy around each batch's update. What a framework does
-differently (how state is found, how a batch is updated) is the backend's ``StepWork`` and
-a few hooks; its tensor operations are its ``TensorOps``.
+differently (how state is found, how a batch is updated) is the backend's ``StepWork``
+(``_swap.step``, beside the memory of an interrupted call) and a few hooks; its tensor
+operations are its ``TensorOps``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import pluggy
 
@@ -27,79 +27,18 @@ from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import AnyRuntime
 from swapopt_core._stats import SwapStats
 from swapopt_core._swap.ledger import DeviceLedger
-from swapopt_core._swap.ops import SwapSlot, Target, TensorOps
+from swapopt_core._swap.ops import SwapSlot, TensorOps
 from swapopt_core._swap.partition import partition
 from swapopt_core._swap.pipeline import Pipeline, deferred_interrupt, write_back
 from swapopt_core._swap.staging import PackedStaging, Staged, make_staging
+from swapopt_core._swap.step import Interrupted, StepUnit, StepWork
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINE_ATTR", "EngineBase", "StepUnit", "StepWork", "engine_of"]
+__all__ = ["ENGINE_ATTR", "EngineBase", "engine_of"]
 
 #: The attribute under which an engine is installed on its optimizer.
 ENGINE_ATTR = "_swapopt_engine"
-
-
-class StepUnit(Protocol):
-    """One parameter taking part in a step, with its swapped slots."""
-
-    @property
-    def key(self) -> Hashable:
-        """Which parameter (the same across calls)."""
-
-    @property
-    def token(self) -> tuple[Any, ...]:
-        """What its update used (compared by identity, numbers by value): a retry skips the
-        unit if an interrupted call finished it with the same token."""
-
-    @property
-    def slots(self) -> Sequence[SwapSlot]: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-
-class StepWork(Protocol):
-    """One call of the step, as the backend prepared it (``EngineBase.open_step``)."""
-
-    @property
-    def identity(self) -> Hashable:
-        """Which call a retry must repeat to resume an interrupted step (MindSpore: the
-        gradients' ids; torch: ``None``, its units carry their gradients in ``token``)."""
-
-    @property
-    def units(self) -> Sequence[StepUnit]:
-        """The units the call updates, in order."""
-
-    def prepare(self) -> Any:
-        """The once-per-step values of a fresh step (run once, also if the step is resumed)."""
-
-    def changed(self, batch: Sequence[Any]) -> list[Target]:
-        """What the update of ``batch`` changes in place, with its device (the undo copy)."""
-
-    def update(self, batch: Sequence[Any], views: dict[Any, Any], prepared: Any) -> None:
-        """Update ``batch`` given a device view per slot; if it raises, the undo copy puts
-        the tensors of ``changed`` back and the backend restores anything else."""
-
-
-@dataclass
-class _Interrupted:
-    """The memory of a step that did not finish: a retry of the same call resumes it."""
-
-    identity: Hashable
-    prepared: Any
-    done: dict[Hashable, tuple[Any, ...]] = field(default_factory=dict)  # key -> token
-
-    def finished(self, unit: StepUnit) -> bool:
-        """Whether ``unit`` was updated by the interrupted call with what it has now."""
-        token = self.done.get(unit.key)
-        return token is not None and _same(token, unit.token)
-
-
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(
-        x is y or (type(x) is int and type(y) is int and x == y) for x, y in zip(a, b, strict=True)
-    )
 
 
 class EngineBase(ABC):
@@ -149,7 +88,7 @@ class EngineBase(ABC):
         #: The last step's pipeline while its copies may still run (``Pipeline`` has their
         #: tickets); ``None`` once they are known to be done.
         self.previous: Pipeline | None = None
-        self._interrupted: _Interrupted | None = None
+        self._interrupted: Interrupted | None = None
 
     # ---- what each backend implements --------------------------------------------------
 
@@ -234,7 +173,7 @@ class EngineBase(ABC):
             memory = self._interrupted
             fresh = memory is None or memory.identity != work.identity
             if memory is None or fresh:
-                memory = _Interrupted(work.identity, work.prepare())
+                memory = Interrupted(work.identity, work.prepare())
             # From here on a retry of the same call must not prepare the step again.
             self._interrupted = memory
             units = [u for u in work.units if not memory.finished(u)]
@@ -251,7 +190,7 @@ class EngineBase(ABC):
     def _run_batches(
         self,
         work: StepWork,
-        memory: _Interrupted,
+        memory: Interrupted,
         batches: list[list[StepUnit]],
         plan: list[list[Any]],
         resumed: bool,

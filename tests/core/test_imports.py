@@ -40,6 +40,7 @@ NEUTRAL = (
     "_swap/partition",
     "_swap/pipeline",
     "_swap/staging",
+    "_swap/step",
     "_swap/undo",
     "hookspecs",
 )

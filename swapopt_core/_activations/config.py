@@ -18,6 +18,9 @@ from swapopt_core._planning.interface import AUTO, DEFAULT_MIN_OFFLOAD_BYTES
 __all__ = ["OffloadConfig"]
 
 
+#: The activation budget, in MiB, of a session given neither budget.
+DEFAULT_ACTIVATION_BUDGET_MB = 1024
+
 _UNITS = {"MiB": 2**20, "KiB": 2**10}
 
 
@@ -42,10 +45,17 @@ class OffloadConfig(OptionsConfig):
     """How an ``OffloadSession`` keeps activations under a device budget.
 
     Args:
+        device_budget_mb: The most device memory, in MiB, one training step may hold:
+            parameters, gradients, optimizer state with its staging, activations and
+            temporaries. With ``OffloadSession(config, optimizer=opt)`` the session plans the
+            whole step under it (how much optimizer state stays resident, ``swap_times``, the
+            prefetch during backward and the activation plan). Exclusive with
+            ``max_resident_activation_mb``. ``None``: no whole-step target. Default: None.
         max_resident_activation_mb: Device budget, in MiB, for activation storages created
             inside the session (saved activations, temporaries, gradients). The warmup step
             evicts to stay under it; the planner schedules copies so replays stay under it.
-            Default: 1024.
+            Exclusive with ``device_budget_mb``. ``None``: 1024 without a device budget.
+            Default: None.
         max_offload_activation_mb: Cap, in MiB, on the host memory holding offloaded
             activations. When it is reached, a storage that would be offloaded stays on the
             device instead (counted in ``OffloadStats.host_cap_refusals``): no data is ever
@@ -72,14 +82,25 @@ class OffloadConfig(OptionsConfig):
         ValueError: A field is out of range.
     """
 
-    max_resident_activation_mb: float = 1024
+    device_budget_mb: float | None = None
+    max_resident_activation_mb: float | None = None
     max_offload_activation_mb: float = 65536
     planner: str = AUTO
     runtime: str = "auto"
     min_offload_kib: float = DEFAULT_MIN_OFFLOAD_BYTES // 2**10
 
     def __post_init__(self) -> None:
-        _size("max_resident_activation_mb", self.max_resident_activation_mb, "MiB")
+        if self.device_budget_mb is not None and self.max_resident_activation_mb is not None:
+            raise ValueError(
+                f"OffloadConfig got both device_budget_mb={self.device_budget_mb!r} and "
+                f"max_resident_activation_mb={self.max_resident_activation_mb!r}. Give one: "
+                "device_budget_mb is the whole step's target and plans the activation budget "
+                "itself; max_resident_activation_mb budgets activations alone."
+            )
+        if self.device_budget_mb is not None:
+            _size("device_budget_mb", self.device_budget_mb, "MiB")
+        if self.max_resident_activation_mb is not None:
+            _size("max_resident_activation_mb", self.max_resident_activation_mb, "MiB")
         _size("max_offload_activation_mb", self.max_offload_activation_mb, "MiB")
         _size("min_offload_kib", self.min_offload_kib, "KiB")
         if not isinstance(self.planner, str) or not self.planner:
@@ -95,7 +116,18 @@ class OffloadConfig(OptionsConfig):
 
     @property
     def budget_bytes(self) -> int:
-        return int(self.max_resident_activation_mb * 2**20)
+        """The activation budget the warmup starts with, in bytes (with a device budget,
+        the session lowers it to what the rest of the step leaves)."""
+        if self.max_resident_activation_mb is not None:
+            return int(self.max_resident_activation_mb * 2**20)
+        if self.device_budget_mb is not None:
+            return int(self.device_budget_mb * 2**20)
+        return DEFAULT_ACTIVATION_BUDGET_MB * 2**20
+
+    @property
+    def device_budget_bytes(self) -> int | None:
+        """The whole step's device budget in bytes, or ``None``."""
+        return None if self.device_budget_mb is None else int(self.device_budget_mb * 2**20)
 
     @property
     def host_cap_bytes(self) -> int:
@@ -122,8 +154,12 @@ def _runtime_names() -> list[str]:
 
 
 _MIB = Option(parse_mib(allow_none=False), f"a number of MiB >= 0 and below {2**43}")
+_MIB_OR_NONE = Option(
+    parse_mib(allow_none=True), f"null, or a number of MiB >= 0 and below {2**43}"
+)
 _OPTIONS = {
-    "max_resident_activation_mb": _MIB,
+    "device_budget_mb": _MIB_OR_NONE,
+    "max_resident_activation_mb": _MIB_OR_NONE,
     "max_offload_activation_mb": _MIB,
     "planner": Option(parse_name, "a registered planner name, or 'auto'"),
     "runtime": Option(

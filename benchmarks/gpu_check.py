@@ -59,6 +59,9 @@ from typing import Any
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_budget  # noqa: E402  (beside this script)
+
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
 MiB = 2**20
@@ -660,6 +663,7 @@ SECTIONS: dict[str, Callable[[Machine, Sizes, float, dict], dict]] = {
     "bandwidth": section_bandwidth,
     "adamw": section_adamw,
     "offload": section_offload,
+    "device_budget": gpu_budget.section_device_budget,
 }
 
 
@@ -705,6 +709,10 @@ def _summary(sections: dict[str, dict]) -> dict[str, Any]:
         "offload_step_over_plain": get("offload", "step_over_plain"),
         "offload_grads_bitwise_equal": get("offload", "grads_bitwise_equal"),
         "offload_shares_swap_runtime": get("offload", "shares_swap_runtime"),
+        "budget_peak_over_target": get("device_budget", "peak_over_target"),
+        "budget_step_over_plain": get("device_budget", "step_over_plain"),
+        "budget_step_over_planned": get("device_budget", "step_over_planned"),
+        "budget_params_bitwise_equal": get("device_budget", "params_bitwise_equal"),
     }
     # Each check that ran must hold; a section left out with --only checks nothing.
     checks = {
@@ -712,6 +720,7 @@ def _summary(sections: dict[str, dict]) -> dict[str, Any]:
         "adamw": get("adamw", "bitwise_equal"),
         "offload": summary["offload_grads_bitwise_equal"]
         and summary["offload_shares_swap_runtime"],
+        "device_budget": summary["budget_params_bitwise_equal"],
     }
     summary["failed_checks"] = [k for k, v in checks.items() if k in ran and v is not True]
     summary["ok"] = not summary["sections_not_ok"] and not summary["failed_checks"]

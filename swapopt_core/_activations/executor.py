@@ -120,6 +120,9 @@ class Executor:
         self.leaves: list[weakref.ref] = []  # leaf tensors the last recording hooked
         self._bandwidth: tuple[TorchRuntime, tuple[float, float]] | None = None
         self.counts = Counts()
+        #: ``(op, bytes)`` of the gradients the last recording warmup saw land (the
+        #: whole-step planner's input).
+        self.gradient_ready: list[tuple[int, int]] = []
 
     # ---- the plans -----------------------------------------------------------------------
 
@@ -300,6 +303,7 @@ class Executor:
         self.book.add(plan)
         self._trim_pool()
         leaves = scope.gradients.leaves() if scope.started else []
+        self.gradient_ready = list(scope.gradients.ready) if scope.started else []
         if leaves:
             self.leaves = leaves
         logger.info(
@@ -325,6 +329,21 @@ class Executor:
             len(replay.grown),
             len(plan.schedule),
         )
+
+    def rebudget(self, budget_bytes: int, schedule: ResidencySchedule | None) -> None:
+        """Keep activations under ``budget_bytes`` from the next entry on.
+
+        The current plan takes ``schedule`` (planned for its trace at that budget; ``None``:
+        plan it here), the other kept plans are planned again; a warmup from now on keeps
+        the new budget.
+        """
+        self.budget_bytes = budget_bytes
+        current = self.book.current
+        for plan in self.book.plans:
+            trace = plan.trace.with_limit(budget_bytes)
+            fresh = schedule if plan is current and schedule is not None else None
+            plan.resize(trace, _without(fresh or self.planner.plan(trace), plan.pinned))
+        logger.info("activation budget set to %d bytes for every kept plan", budget_bytes)
 
     def _trim_pool(self) -> None:
         """Free the idle host buffers of sizes no kept plan takes any more."""

@@ -48,6 +48,10 @@ class GradientWatch:
         self._discounts: list[tuple[int, int, int]] = []  # samples [start, stop) hold nbytes
         self._since: dict[int, int] = {}  # sid -> the sample it is resident from (paged in)
         self._held: dict[int, list[tuple[int, int]]] = {}  # sid -> samples it was resident in
+        self._op = -1  # the last op whose outputs were tracked
+        #: ``(op, bytes)`` of each gradient autograd stored, the op being the last one that
+        #: ran before: when it lands on the device for good (the whole-step planner's input).
+        self.ready: list[tuple[int, int]] = []
 
     def sample(self, resident_bytes: int, op: int | None = None) -> None:
         """Note the resident bytes now; ``op``: the op whose outputs were just tracked."""
@@ -57,6 +61,7 @@ class GradientWatch:
             self._samples.append(residency.peak_bytes)
         if op is not None:
             self._end_sample[op] = len(self._samples)
+            self._op = op
         self._samples.append(resident_bytes)
 
     def released(self, tracked: Tracked) -> None:
@@ -125,6 +130,7 @@ class GradientWatch:
         residency.untrack(tracked)
         self.sids.add(tracked.sid)
         self.nbytes += tracked.nbytes
+        self.ready.append((max(self._op, 0), tracked.nbytes))
         logger.debug("storage %d is a parameter gradient: untracked", tracked.sid)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from swapopt_core import _launch
 from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.entry import Entry
 from swapopt_core._activations.executor import Counts, Executor
+from swapopt_core._activations.step_budget import StepBudget
 from swapopt_core._device.registry import RuntimeChoice, resolve_runtime
 from swapopt_core._planning.interface import ResidencyPlanner, resolve_planner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
@@ -69,12 +70,34 @@ class OffloadStats(Counts):
         plan_switches: Times a replay left its plan for another kept plan that goes on with
             the step's ops (alternating op sequences: gradient accumulation).
         plans_kept: Plans (distinct op sequences) the session keeps now, at most 4.
+        step_peak_device_bytes: With ``device_budget_mb``: the highest device bytes of any
+            whole step (from the session's first entry until ``optimizer.step()`` returned,
+            the first step included), from the runtime's meter. 0 without.
+        planned_step_peak_device_bytes: The peak the whole-step plan predicts; ``None``
+            until planned (after the first step), and without ``device_budget_mb``.
+        planned_step_ms: The step time the plan predicts (``None`` likewise).
+        plain_step_ms: The step time the planner predicts without swapopt (``None``
+            likewise).
+        resident_state_fraction: Share of the swappable optimizer state that stays on the
+            device (the first step's 0 until planned); ``None`` without ``device_budget_mb``.
+        swap_times: Pipeline batches of the swapped optimizer state (``None`` likewise).
+        prefetch_batches: Batches copied in during backward (``None`` likewise).
+        activation_budget_bytes: The activation budget in use; ``None`` when the plan keeps
+            every activation on the device.
     """
 
     host_peak_bytes: int
     planned_actions: int
     budget_bytes: int
     plans_kept: int = 0
+    step_peak_device_bytes: int = 0
+    planned_step_peak_device_bytes: int | None = None
+    planned_step_ms: float | None = None
+    plain_step_ms: float | None = None
+    resident_state_fraction: float | None = None
+    swap_times: int | None = None
+    prefetch_batches: int | None = None
+    activation_budget_bytes: int | None = None
 
 
 class OffloadSession:
@@ -93,16 +116,25 @@ class OffloadSession:
     ``trace`` and ``schedule`` are the plan, and ``load_plan`` replays one saved as JSON.
     Results are the same bits as without the session.
 
+    With ``OffloadConfig(device_budget_mb=N)`` and ``optimizer=opt`` the session plans the
+    whole step under ``N`` (``swapopt_core._activations.step_budget``): it swaps ``opt``
+    itself (or re-configures its swap), the ``opt.step()`` after the ``with`` block is part
+    of the plan, and ``stats()`` reports the measured and planned peaks.
+
     Args:
         config: Budget, host cap, planner and runtime. Default: ``OffloadConfig()``.
+        optimizer: The torch optimizer stepped after each ``with`` block; required with
+            ``device_budget_mb``, refused without it.
         plugin_manager: Where to look up planners and activation runtimes. Default:
             ``get_plugin_manager()``.
 
     Raises:
         TypeError: ``config`` is not an ``OffloadConfig``.
         ValueError: ``config.planner`` or ``config.runtime`` names nothing registered with
-            the plugin manager (the message lists what is), or ``runtime="auto"`` cannot
-            choose (two runtimes declare one device type).
+            the plugin manager (the message lists what is), ``runtime="auto"`` cannot
+            choose (two runtimes declare one device type), ``device_budget_mb`` is given
+            without ``optimizer`` (or the reverse), or the budget cannot hold the parameters,
+            their gradients and the update of the largest parameter's state.
 
     Example:
         >>> session = OffloadSession(OffloadConfig(max_resident_activation_mb=512))
@@ -117,16 +149,21 @@ class OffloadSession:
         self,
         config: OffloadConfig | None = None,
         *,
+        optimizer: Any = None,
         plugin_manager: pluggy.PluginManager | None = None,
     ) -> None:
         self.config = OffloadConfig() if config is None else config
         if not isinstance(self.config, OffloadConfig):
             raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}.")
+        _check_pairing(self.config, optimizer)
         manager = _manager(plugin_manager)
         self._executor = Executor(
             self.config,
             _planner(self.config, manager),
             runtimes=_runtimes(self.config, manager),
+        )
+        self._budget = (
+            None if optimizer is None else StepBudget(self.config, optimizer, self._executor)
         )
         self._token: contextvars.Token | None = None
         self._lock = threading.Lock()
@@ -182,6 +219,8 @@ class OffloadSession:
                 )
             self._owner = threading.current_thread()
         try:
+            if self._budget is not None:
+                self._budget.entered()  # the step's meter opens before its first op
             self._executor.enter()
         except BaseException:
             self._owner = None
@@ -212,8 +251,13 @@ class OffloadSession:
             **dataclasses.asdict(executor.counts),
             host_peak_bytes=executor.pool.peak if executor.pool is not None else 0,
             planned_actions=len(executor.schedule) if executor.schedule is not None else 0,
-            budget_bytes=self.config.budget_bytes,
+            budget_bytes=executor.budget_bytes,
             plans_kept=len(executor.book),
+            **(
+                self._budget.stats()
+                if self._budget is not None
+                else {"activation_budget_bytes": executor.budget_bytes}
+            ),
         )
 
     # ---- opaque regions ------------------------------------------------------------------
@@ -243,6 +287,22 @@ class OffloadSession:
             return outputs
         finally:
             entry.end_virtual(outputs)
+
+
+def _check_pairing(config: OffloadConfig, optimizer: object) -> None:
+    """A device budget plans the optimizer's update: the two come together."""
+    if config.device_budget_mb is not None and optimizer is None:
+        raise ValueError(
+            f"OffloadConfig.device_budget_mb={config.device_budget_mb} plans the whole step, "
+            "the optimizer's update included: pass the optimizer, "
+            "OffloadSession(config, optimizer=opt). To budget activations alone, use "
+            "max_resident_activation_mb."
+        )
+    if config.device_budget_mb is None and optimizer is not None:
+        raise ValueError(
+            "OffloadSession(optimizer=...) is for a whole-step device budget; the config has "
+            "no device_budget_mb. Set OffloadConfig(device_budget_mb=N), or drop optimizer=."
+        )
 
 
 def _manager(manager: pluggy.PluginManager | None) -> pluggy.PluginManager:

@@ -1,0 +1,280 @@
+"""One device budget for the whole step: the session plans the optimizer's update too.
+
+With ``OffloadConfig(device_budget_mb=N)`` and ``OffloadSession(config, optimizer=opt)`` the
+session owns the swap of ``opt``. The first step runs conservatively: every state swapped,
+one parameter per pipeline batch, no prefetch, and activations under what that leaves
+(parameters, gradients, the state that never moves and the update of the largest
+parameter's state taken from the budget). Its update is timed. After it, the whole-step
+planner (``swapopt_core._planning.whole_step``) chooses how much state stays resident,
+``swap_times``, the prefetch and the activation budget from the warmup's trace and the
+measured update; the swap is re-configured in place and the activation plans re-planned.
+
+Every step (from the first entry of the session until ``opt.step()`` returns) is metered on
+the runtime's whole-step meter: ``OffloadStats.step_peak_device_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from swapopt_core._activations.config import OffloadConfig
+from swapopt_core._activations.executor import Executor
+from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._planning.floor import format_bytes
+from swapopt_core._planning.index import TraceIndex
+from swapopt_core._planning.whole_step import (
+    BudgetTooSmall,
+    StepInputs,
+    StepPlan,
+    plan_step,
+)
+from swapopt_core._swap.engine import EngineBase, engine_of
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StepBudget"]
+
+#: Device bytes the update holds per byte of its largest batch before one was measured:
+#: three staged batches and the undo copy of one.
+_FIRST_STAGING_FACTOR = 4.0
+#: Bytes of optimizer state per parameter byte assumed before the state exists (Adam's two).
+_STATE_PER_PARAM = 2
+
+
+def _unique_storages(tensors: Iterator[torch.Tensor]) -> dict[Any, torch.Tensor]:
+    """One tensor per storage (parameters may share one: tied weights)."""
+    seen: dict[Any, torch.Tensor] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            seen.setdefault(tensor.untyped_storage()._cdata, tensor)
+    return seen
+
+
+class StepBudget:
+    """The whole-step side of an ``OffloadSession``: the swap it owns, the plan, the meter.
+
+    Args:
+        config: The session's config; ``device_budget_bytes`` is set.
+        optimizer: The optimizer whose ``step()`` follows each ``with`` block.
+        executor: The session's activation executor (its budget is set from here).
+
+    Raises:
+        TypeError: ``optimizer`` is not a torch optimizer.
+        ValueError: The budget cannot hold the parameters, their gradients and the update of
+            the largest parameter's state.
+    """
+
+    def __init__(self, config: OffloadConfig, optimizer: Any, executor: Executor) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "OffloadSession(optimizer=...) must be a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}."
+            )
+        budget = config.device_budget_bytes
+        assert budget is not None
+        self.budget = budget
+        self.optimizer = optimizer
+        self.executor = executor
+        self.plan: StepPlan | None = None
+        self.step_peak = 0
+        self._meter: Any = None
+        self._planned_once = False
+        params = list(_unique_storages(self._params()).values())
+        self.params_bytes = sum(p.untyped_storage().nbytes() for p in params)
+        self.grads_bytes = sum(p.untyped_storage().nbytes() for p in params if p.requires_grad)
+        largest = max((p.untyped_storage().nbytes() for p in params), default=0)
+        staging = int(_FIRST_STAGING_FACTOR * _STATE_PER_PARAM * largest)
+        left = budget - self.params_bytes - self.grads_bytes - staging
+        if left <= 0:
+            raise ValueError(
+                f"OffloadConfig.device_budget_mb={config.device_budget_mb} "
+                f"({format_bytes(budget)}) cannot hold the step: parameters "
+                f"{format_bytes(self.params_bytes)} + gradients {format_bytes(self.grads_bytes)}"
+                f" + the update of the largest parameter's state {format_bytes(staging)} "
+                f"need {format_bytes(budget - left)}. Raise device_budget_mb above "
+                f"{-(-(budget - left) // 2**20)} MiB."
+            )
+        self.engine = self._install(config)
+        # The warmup keeps activations under what the conservative update leaves.
+        executor.budget_bytes = max(0, left - self._fixed_state_bytes())
+        logger.info(
+            "swapopt: first step under a device budget of %s: activations under %s",
+            format_bytes(budget),
+            format_bytes(executor.budget_bytes),
+        )
+        self.engine.measure_next_step()
+        self._handle = optimizer.register_step_post_hook(self._after_step)
+
+    def _params(self) -> Iterator[torch.Tensor]:
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    # ---- the swap ------------------------------------------------------------------------
+
+    def _install(self, config: OffloadConfig) -> EngineBase:
+        from swapopt_core._api import reconfigure_swap, swap_optimizer
+
+        batches = max(1, sum(1 for _ in self._params()))
+        existing = engine_of(self.optimizer)
+        if existing is not None:
+            safe = dataclasses.replace(
+                existing.config,
+                swap_times=batches,
+                resident_state_fraction=0.0,
+                prefetch_batches=0,
+            )
+            reconfigure_swap(self.optimizer, safe)
+        else:
+            runtime = config.runtime
+            if runtime == "auto" and all(p.device.type == "cpu" for p in self._params()):
+                runtime = "loopback"  # as the activations' "auto" does for CPU tensors
+            swap_optimizer(
+                self.optimizer,
+                SwapOptimizerConfig(
+                    swap_times=batches,
+                    resident_state_fraction=0.0,
+                    prefetch_batches=0,
+                    runtime=runtime,
+                ),
+            )
+        engine = engine_of(self.optimizer)
+        if engine is None:
+            raise ValueError(
+                "OffloadConfig.device_budget_mb needs the optimizer's state swapped, but "
+                f"swap_optimizer found no runtime for its parameters' devices "
+                f"({sorted({p.device.type for p in self._params()})}). Set "
+                "OffloadConfig.runtime to one that serves them ('loopback' on CPU)."
+            )
+        return engine
+
+    def _fixed_state_bytes(self) -> int:
+        """Device bytes of optimizer state that is not swapped (tiny tensors, step counts);
+        on the loopback runtimes CPU plays the device, so every state tensor that is not a
+        swapped slot's host copy counts."""
+        hosts = {slot.host.untyped_storage()._cdata for slot in self.engine.slots.values()}
+        loopback = self.engine.runtime.name.startswith("loopback")
+        held = _unique_storages(
+            value
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+        return sum(
+            t.untyped_storage().nbytes()
+            for key, t in held.items()
+            if key not in hosts and (loopback or t.device.type != "cpu")
+        )
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def entered(self) -> None:
+        """An entry starts: open the step's meter window unless one is open (accumulation)."""
+        if self._meter is None:
+            meter = self.engine.runtime.step_meter()
+            meter.begin(self._held())
+            self._meter = meter
+
+    def _held(self) -> Iterator[torch.Tensor]:
+        for param in self._params():
+            yield param
+            if param.grad is not None:
+                yield param.grad
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield value
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        meter, self._meter = self._meter, None
+        if meter is not None:
+            self.step_peak = max(self.step_peak, meter.end())
+        if not self._planned_once:
+            self._planned_once = True
+            self._make_plan()
+
+    def _make_plan(self) -> None:
+        costs = self.engine.costs()
+        trace = self.executor.trace
+        if costs is None or trace is None:
+            logger.warning(
+                "swapopt: the first step under device_budget_mb ran without %s; the step "
+                "stays on the conservative settings",
+                "a measured update" if costs is None else "a traced forward and backward",
+            )
+            return
+        ready = tuple(self.executor.gradient_ready)
+        start = min((op for op, _ in ready), default=None)
+        if start is None:
+            ix = TraceIndex(trace)
+            start = max(range(ix.n), key=ix.natural.__getitem__, default=0)
+        inputs = StepInputs(
+            budget_bytes=self.budget,
+            params_bytes=self.params_bytes,
+            grads_bytes=self.grads_bytes,
+            optimizer=costs,
+            trace=trace.with_limit(None),
+            backward_start_op=start,
+            planner=self.executor.planner,
+            grad_ready=ready,
+        )
+        try:
+            plan = plan_step(inputs)
+        except BudgetTooSmall:
+            logger.error("swapopt: no whole-step plan fits the device budget", exc_info=True)
+            raise
+        self._apply(plan)
+
+    def _apply(self, plan: StepPlan) -> None:
+        from swapopt_core._api import reconfigure_swap
+
+        reconfigure_swap(
+            self.optimizer,
+            dataclasses.replace(
+                self.engine.config,
+                swap_times=plan.swap_times,
+                resident_state_fraction=plan.resident_state_fraction,
+                prefetch_batches=plan.prefetch_batches,
+            ),
+        )
+        budget = plan.activation_budget_bytes
+        self.executor.rebudget(budget if budget is not None else 2**62, plan.schedule)
+        self.plan = plan
+        logger.info(
+            "swapopt: whole step planned under %s: %.0f%% of the optimizer state resident, "
+            "swap_times=%d, prefetch_batches=%d, activations %s; predicted peak %s, step "
+            "%.1f ms (plain %.1f ms)",
+            format_bytes(self.budget),
+            100 * plan.resident_state_fraction,
+            plan.swap_times,
+            plan.prefetch_batches,
+            "kept" if budget is None else f"under {format_bytes(budget)}",
+            format_bytes(plan.planned_peak_bytes),
+            plan.planned_step_ms,
+            plan.plain_step_ms,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """The whole-step fields of ``OffloadStats``."""
+        plan = self.plan
+        config = self.engine.config
+        return {
+            "step_peak_device_bytes": self.step_peak,
+            "planned_step_peak_device_bytes": plan.planned_peak_bytes if plan else None,
+            "planned_step_ms": plan.planned_step_ms if plan else None,
+            "plain_step_ms": plan.plain_step_ms if plan else None,
+            "resident_state_fraction": config.resident_state_fraction,
+            "swap_times": config.swap_times,
+            "prefetch_batches": config.prefetch_batches,
+            "activation_budget_bytes": (
+                None if plan is not None and plan.moves_nothing else self.executor.budget_bytes
+            ),
+        }
+
+    def close(self) -> None:
+        """Remove the step hook (the session is done with the optimizer)."""
+        self._handle.remove()

@@ -260,6 +260,7 @@ class Residency:
         self.resident_bytes -= entry.nbytes
         self.released.add(entry.sid)
         storage.resize_(0)
+        self.runtime.note_resized(storage)  # a step meter follows the release
 
     def copy_in(self, entry: Tracked) -> None:
         """Re-allocate ``entry`` and start copying its bytes back (a prefetch); one without a
@@ -273,6 +274,7 @@ class Residency:
         host = entry.host
         assert host is not None  # a valid host copy lives in a host buffer
         storage.resize_(entry.nbytes)
+        self.runtime.note_resized(storage)  # a step meter counts it again
         if host.numel() != entry.nbytes:  # a buffer of the plan's larger size
             host = host[: entry.nbytes]
         ticket = self.runtime.copy_in([(byte_view(storage), host)])
@@ -332,6 +334,7 @@ class Residency:
                     if source.alive:
                         self.ready(source)  # pages in, or recomputes, what is away
                 recipe.run_into(storage, entry.nbytes)
+            self.runtime.note_resized(storage)  # a step meter counts it again
             self.recomputes += 1
         # Marked resident once its bytes are back: a failure before leaves it released.
         entry.resident = True

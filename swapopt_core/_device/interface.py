@@ -21,6 +21,8 @@ from typing import Any, ClassVar, Generic, Protocol, TypeAlias, TypeVar
 
 import torch
 
+from swapopt_core._device.meter import StepMeter
+
 __all__ = ["AnyRuntime", "CopyPair", "Ticket", "TorchRuntime", "TransferRuntime", "byte_view"]
 
 TensorT = TypeVar("TensorT")
@@ -88,6 +90,8 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
     packed_default: ClassVar[bool] = True
     #: Whether ``stamp`` results are read only after ``wait_stamps`` (device events).
     stamps_need_sync: ClassVar[bool] = False
+    #: This instance's whole-step meter, made at the first ``step_meter`` call.
+    _step_meter: StepMeter | None = None
 
     def __init__(self) -> None:
         self.device: DeviceT | None = None
@@ -176,6 +180,32 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
                 once they finished (stream-ordered), without blocking the host. If one of
                 them failed (``failure``), the memory is not reused: ``tensor`` keeps it.
         """
+
+    # ---- the whole-step meter ------------------------------------------------------------
+
+    def step_meter(self) -> StepMeter:
+        """This instance's whole-step meter (one per instance: both halves share it)."""
+        if self._step_meter is None:
+            self._step_meter = self._make_step_meter()
+        return self._step_meter
+
+    def _make_step_meter(self) -> StepMeter:
+        """Make the meter ``step_meter`` returns; each runtime that can measure overrides it.
+
+        Raises:
+            NotImplementedError: This runtime cannot measure its device's memory.
+        """
+        raise NotImplementedError(
+            f"the {self.name!r} runtime ({type(self).__qualname__}) has no whole-step device "
+            "meter; override TransferRuntime._make_step_meter to measure its device."
+        )
+
+    def note_resized(self, storage: Any) -> None:
+        """swapopt resized a device ``storage`` in place (an activation released to zero
+        bytes, or restored): an open step meter that counts storages follows it."""
+        meter = self._step_meter
+        if meter is not None and meter.is_open:
+            meter.resized(storage)
 
     # ---- copies and waits ----------------------------------------------------------------
 

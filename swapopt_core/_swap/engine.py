@@ -61,6 +61,10 @@ class EngineBase(ABC):
     readers_hooked: ClassVar[bool] = True
     #: Whether the engine prefetches during backward (``SwapOptimizerConfig.prefetch_batches``).
     prefetches: ClassVar[bool] = False
+    #: The config fields ``reconfigure`` changes in place; any other needs a new install.
+    reconfigurable: ClassVar[frozenset[str]] = frozenset(
+        {"swap_times", "prefetch_batches", "prefetch_during_backward"}
+    )
 
     def __init__(
         self,
@@ -168,6 +172,20 @@ class EngineBase(ABC):
     def host_changing(self) -> None:  # noqa: B027
         """Host state is about to be rewritten under the engine (a write back): a backend
         drops what it read from it ahead of time."""
+
+    def reconfigure(self, config: SwapOptimizerConfig) -> None:
+        """Take ``config`` (it differs only in ``reconfigurable`` fields) from the next step.
+
+        The copies in flight are waited for and kept batches written back first, so state
+        moves (``configured``) only from host memory that is final.
+        """
+        self.host_changing()
+        self.quiesce()
+        self.config = config
+        self.configured()
+
+    def configured(self) -> None:  # noqa: B027
+        """``config`` changed: move the state the new one places elsewhere (torch)."""
 
     # ---- the step transaction ------------------------------------------------------------
 

@@ -286,11 +286,16 @@ class StateBook:
         # A parameter without state yet is not resident: its state (created or loaded later)
         # starts in host memory, and comes in at the sync that finds it in the prefix.
         self.resident = {id(p): c for p, c in zip(params, costs[:count], strict=False) if c > 0}
+        # Slots of resident parameters, and those ``min_numel`` no longer swaps, come in.
+        leaving = [
+            key
+            for key, slot in self.slots.items()
+            if key[0] in self.resident or not self._eligible(slot.param, slot.dtype, slot.numel)
+        ]
         incoming = [
-            slot
-            for slot in self.slots.values()
-            if id(slot.param) in self.resident
-            and opt.state.get(slot.param, {}).get(slot.key) is slot.value
+            self.slots[key]
+            for key in leaving
+            if opt.state.get(self.slots[key].param, {}).get(key[1]) is self.slots[key].value
         ]
         if incoming:
             self.before_bring_in()
@@ -298,7 +303,7 @@ class StateBook:
                 local = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)
                 local.copy_(slot.host)
                 opt.state[slot.param][slot.key] = wrap_like(local, slot.value)
-        for key in [k for k in self.slots if k[0] in self.resident]:
+        for key in leaving:
             del self.slots[key]
 
     def _counted(self, param: torch.Tensor, key: str, value: object) -> bool:

@@ -47,6 +47,7 @@ class SwapEngine(EngineBase):
     framework = "torch"
     install_note = ", new state starts in host memory at its first step"
     prefetches = True
+    reconfigurable = EngineBase.reconfigurable | {"resident_state_fraction", "min_numel"}
     optimizer: torch.optim.Optimizer
     adapter: OptimizerAdapter
 
@@ -174,6 +175,16 @@ class SwapEngine(EngineBase):
     def load_swapped(self, pending: dict[SlotKey, torch.Tensor]) -> None:
         """Make the swapped entries a checkpoint load set aside the state, in host memory."""
         self.book.adopt_loaded(pending)
+        self._sync()
+
+    def configured(self) -> None:
+        """Move the state the new config places elsewhere, one entry at a time: entries that
+        become resident (or too small to swap) come in, those that stop being go out."""
+        self.book.config = self.config
+        self.prefetch.ahead = self.config.effective_prefetch_batches
+        # The last step's plan names batches that no longer exist: no prefetch until a step
+        # made a new one.
+        self.prefetch.remember([])
         self._sync()
 
     def host_changing(self) -> None:

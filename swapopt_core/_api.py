@@ -8,6 +8,7 @@ each says whether it ``serves`` an optimizer, and everything after that choice i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "is_swap_optimizer",
     "offload_optimizer_state",
+    "reconfigure_swap",
     "swap_optimizer",
     "swap_stats",
     "unswap_optimizer",
@@ -251,6 +253,59 @@ def unswap_optimizer(optimizer: OptimizerT) -> OptimizerT:
     engine.uninstall()
     engine.plugin_manager.hook.swapopt_on_uninstall(optimizer=optimizer)
     return optimizer
+
+
+def reconfigure_swap(optimizer: object, config: SwapOptimizerConfig) -> None:
+    """Change the config of an installed swap in place, from the next step on.
+
+    The copies still in flight are waited for first; then state that the new config keeps on
+    the device (``resident_state_fraction``, ``min_numel``) is copied in and state it swaps
+    is taken into host memory, one entry at a time: all swappable state is never on the
+    device at once (unless the new config keeps it all resident). Training goes on bit for
+    bit as without the change.
+
+    Args:
+        optimizer: A swapped optimizer.
+        config: The new config. Only the fields the engine changes in place may differ
+            (torch: ``swap_times``, ``resident_state_fraction``, ``min_numel``,
+            ``prefetch_batches``, ``prefetch_during_backward``).
+
+    Raises:
+        TypeError: ``config`` is not a ``SwapOptimizerConfig``.
+        ValueError: ``optimizer`` is not swapped.
+        SwapOptError: A field that needs a new install differs (``runtime``,
+            ``packed_swap``, ``state_keys``, ...).
+    """
+    if not isinstance(config, SwapOptimizerConfig):
+        raise TypeError(f"config must be a SwapOptimizerConfig, got {type(config).__name__}.")
+    engine = engine_of(optimizer)
+    if engine is None:
+        raise ValueError(
+            f"{type(optimizer).__name__} is not swapped; reconfigure_swap changes an installed "
+            "swap. Call swap_optimizer(optimizer, config) to install one."
+        )
+    old = engine.config
+    for field in dataclasses.fields(SwapOptimizerConfig):
+        before, after = getattr(old, field.name), getattr(config, field.name)
+        if before != after and field.name not in engine.reconfigurable:
+            raise SwapOptError(
+                f"reconfigure_swap cannot change SwapOptimizerConfig.{field.name} of an "
+                f"installed swap ({before!r} -> {after!r}); it changes in place only "
+                f"{sorted(engine.reconfigurable)}. Call unswap_optimizer(optimizer), then "
+                "swap_optimizer(optimizer, config) with the new config."
+            )
+    if config == old:
+        return
+    engine.reconfigure(config)
+    logger.info(
+        "swapopt reconfigured on %s: swap_times=%d resident_state_fraction=%g "
+        "prefetch_batches=%d min_numel=%d",
+        type(optimizer).__name__,
+        config.swap_times,
+        config.resident_state_fraction,
+        config.effective_prefetch_batches,
+        config.min_numel,
+    )
 
 
 def offload_optimizer_state(optimizer: object) -> int:

@@ -12,10 +12,11 @@ class SwapStats:
     """A snapshot of one swapped optimizer's memory and traffic.
 
     Attributes:
-        total_state_bytes: Bytes of the swapped state tensors (their device footprint if
-            they were resident).
-        resident_state_bytes: Device bytes of swapped state right now, staging included;
-            zero between steps.
+        total_state_bytes: Bytes of the swappable state tensors (their device footprint if
+            they were all resident), the part kept resident for good included.
+        resident_state_bytes: Device bytes of swappable state right now: the part kept
+            resident for good (``resident_for_good_bytes``) plus the staging of swapped
+            batches; between steps only the former (and batches kept by a failed copy).
         peak_resident_state_bytes: Highest ``resident_state_bytes`` seen since install.
         host_state_bytes: Host bytes holding swapped state.
         pinned_host_bytes: Host bytes the runtime holds page-locked for it.
@@ -26,6 +27,11 @@ class SwapStats:
         batches: Pipeline batches of the last step.
         packed: Whether the packed layout is in use.
         runtime: Name of the transfer runtime.
+        resident_for_good_bytes: Device bytes of the state kept resident for good under
+            ``resident_state_fraction`` (never copied).
+        resident_state_fraction: The configured share of the state kept resident.
+        prefetch_batches: Batches prefetched during backward (0 when switched off or the
+            backend has no prefetch).
     """
 
     total_state_bytes: int
@@ -40,3 +46,6 @@ class SwapStats:
     batches: int
     packed: bool
     runtime: str
+    resident_for_good_bytes: int = 0
+    resident_state_fraction: float = 0.0
+    prefetch_batches: int = 0

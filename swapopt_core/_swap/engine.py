@@ -59,6 +59,12 @@ class EngineBase(ABC):
     #: to wait in (MindSpore's ``save_checkpoint`` reads the state Parameters): each step
     #: then makes it final (``quiesce``) before it returns.
     readers_hooked: ClassVar[bool] = True
+    #: Whether the engine prefetches during backward (``SwapOptimizerConfig.prefetch_batches``).
+    prefetches: ClassVar[bool] = False
+    #: The config fields ``reconfigure`` changes in place; any other needs a new install.
+    reconfigurable: ClassVar[frozenset[str]] = frozenset(
+        {"swap_times", "prefetch_batches", "prefetch_during_backward"}
+    )
 
     def __init__(
         self,
@@ -153,9 +159,33 @@ class EngineBase(ABC):
     def step_queued(self, plan: list[list[Any]], resumed: bool) -> None:  # noqa: B027
         """Every batch was updated and its copy out queued (may raise: the step is kept)."""
 
+    def split_resident(
+        self, units: Sequence[StepUnit]
+    ) -> tuple[list[list[StepUnit]], list[StepUnit]]:
+        """Batches of the units whose state stays on the device, and the swapped rest.
+
+        The resident batches are updated first, while the first swapped batches come in;
+        nothing of them moves. Default: nothing is resident.
+        """
+        return [], list(units)
+
     def host_changing(self) -> None:  # noqa: B027
         """Host state is about to be rewritten under the engine (a write back): a backend
         drops what it read from it ahead of time."""
+
+    def reconfigure(self, config: SwapOptimizerConfig) -> None:
+        """Take ``config`` (it differs only in ``reconfigurable`` fields) from the next step.
+
+        The copies in flight are waited for and kept batches written back first, so state
+        moves (``configured``) only from host memory that is final.
+        """
+        self.host_changing()
+        self.quiesce()
+        self.config = config
+        self.configured()
+
+    def configured(self) -> None:  # noqa: B027
+        """``config`` changed: move the state the new one places elsewhere (torch)."""
 
     # ---- the step transaction ------------------------------------------------------------
 
@@ -178,11 +208,12 @@ class EngineBase(ABC):
             self._interrupted = memory
             units = [u for u in work.units if not memory.finished(u)]
             resumed = not fresh and (len(units) < len(work.units) or not units)
+            lead, units = self.split_resident(units)
             runs = partition([u.nbytes for u in units], self.config.swap_times)
             batches = [[units[k] for k in run] for run in runs]
             plan = [[s for u in batch for s in u.slots] for batch in batches]
             with self.computing():
-                pipeline = self._run_batches(work, memory, batches, plan, resumed)
+                pipeline = self._run_batches(work, memory, lead, batches, plan, resumed)
             # Until the observers have seen the step, a retry of the call only tells them again.
             self.finish_step(pipeline.h2d, pipeline.d2h, len(batches), resumed=resumed)
             self._interrupted = None
@@ -191,28 +222,36 @@ class EngineBase(ABC):
         self,
         work: StepWork,
         memory: Interrupted,
+        lead: list[list[StepUnit]],
         batches: list[list[StepUnit]],
         plan: list[list[Any]],
         resumed: bool,
     ) -> Pipeline:
         from swapopt_core._swap.undo import UndoArena
 
-        arena = UndoArena(self.ops, [work.changed(batch) for batch in batches])
+        arena = UndoArena(self.ops, [work.changed(batch) for batch in lead + batches])
 
-        def update(i: int, views: dict[Any, Any]) -> None:
-            saved = arena.save(work.changed(batches[i]))
+        def update_batch(batch: list[StepUnit], views: dict[Any, Any]) -> None:
+            saved = arena.save(work.changed(batch))
             try:
-                work.update(batches[i], views, memory.prepared)
+                work.update(batch, views, memory.prepared)
             except BaseException:
                 arena.restore(saved)
                 raise
-            for unit in batches[i]:
+            for unit in batch:
                 memory.done[unit.key] = unit.token
+
+        def update(i: int, views: dict[Any, Any]) -> None:
+            update_batch(batches[i], views)
+
+        def update_resident() -> None:
+            for batch in lead:
+                update_batch(batch, {})
 
         pipeline = self.start_pipeline(plan)
         try:
             try:
-                pipeline.run(update, self.kept)
+                pipeline.run(update, self.kept, update_resident if lead else None)
             finally:
                 arena.release()
             # The step ends with its copies queued; the next one's copies in wait for these.
@@ -320,8 +359,9 @@ class EngineBase(ABC):
 
     def stats(self) -> SwapStats:
         """A snapshot of the memory and traffic of this engine."""
+        held = self.ledger.held
         return SwapStats(
-            total_state_bytes=sum(slot.nbytes for slot in self.slots.values()),
+            total_state_bytes=sum(slot.nbytes for slot in self.slots.values()) + held,
             resident_state_bytes=self.ledger.current,
             peak_resident_state_bytes=self.ledger.peak,
             host_state_bytes=self.host_state_bytes(),
@@ -333,6 +373,9 @@ class EngineBase(ABC):
             batches=self.last_batches,
             packed=self.staging.packed,
             runtime=self.runtime.name,
+            resident_for_good_bytes=held,
+            resident_state_fraction=self.config.resident_state_fraction,
+            prefetch_batches=self.config.effective_prefetch_batches if self.prefetches else 0,
         )
 
 

@@ -236,7 +236,12 @@ class Pipeline:
                 self.last_out = None
             self.tickets[j] = None
 
-    def run(self, update: Callable[[int, dict[Any, Any]], None], kept: list[Staged]) -> None:
+    def run(
+        self,
+        update: Callable[[int, dict[Any, Any]], None],
+        kept: list[Staged],
+        lead: Callable[[], None] | None = None,
+    ) -> None:
         """Run ``update`` over every batch with its state on the device.
 
         Args:
@@ -244,6 +249,8 @@ class Pipeline:
                 if it raises, it must have left the batch (parameters and state) as it
                 found it.
             kept: Receives the batches that were updated but could not be copied back.
+            lead: Work that moves nothing (the update of the state resident for good), run
+                once the copies in of the first two batches are queued, so it hides them.
 
         The caller holds SIGINT over the whole step (``deferred_interrupt``), so a
         ``KeyboardInterrupt`` only comes from code that raises it.
@@ -259,6 +266,10 @@ class Pipeline:
             self._begin()
             if n:
                 self._fetch(0)
+            if lead is not None:
+                if n > 1:
+                    self._fetch(1)
+                lead()
             for i in range(n):
                 if i + 1 < n:
                     self._fetch(i + 1)

@@ -3,13 +3,19 @@
 ``StateBook`` owns the slots of one swapped torch optimizer: it decides which state entries
 are swapped, takes them into host memory (``adopt``, lazily created state through
 ``make_state``, entries a checkpoint load set aside through ``adopt_loaded``) and lists the
-parameters a step updates (``sync``). The engine asks it; it never calls the engine.
+parameters a step updates (``sync``). The engine asks it; it calls back into the engine
+only through ``before_bring_in``.
+
+Under ``resident_state_fraction`` the leading parameters (``param_groups`` order, every
+parameter that has state, with a gradient this step or not) whose swappable state fits that
+share of the total keep it on the device for good: those entries are plain device tensors,
+not slots, and ``sync`` moves an entry in or out when the share (or the state) changes.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +23,7 @@ import torch
 
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import TorchRuntime
+from swapopt_core._swap.resident import resident_count
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.state import Slot, local_tensor, wrap_like
 
@@ -34,6 +41,13 @@ class Unit:
     param: torch.Tensor
     grad: torch.Tensor
     slots: list[Slot] = field(default_factory=list)
+    #: Bytes of its swappable state kept on the device for good (0: the state is swapped).
+    resident_bytes: int = 0
+
+    @property
+    def resident(self) -> bool:
+        """Whether its state stays on the device (``resident_state_fraction``)."""
+        return self.resident_bytes > 0
 
     @property
     def key(self) -> int:
@@ -59,7 +73,12 @@ class StateBook:
         adapter: The family's state keys and state creation.
         runtime: Host memory and the devices it accepts.
         packed: Whether host memory is packed (the layout fills it in after ``sync``).
+        before_bring_in: Called before swapped entries become resident: the host copies
+            are read next, so the engine makes them final.
         slots: The swapped entries by ``(id(param), key)``.
+        resident: Ids of the parameters whose swappable state stays on the device.
+        unit_bytes: Swappable state bytes of every parameter in ``param_groups`` order,
+            resident ones included, as of the last ``sync``.
     """
 
     optimizer: torch.optim.Optimizer
@@ -67,7 +86,10 @@ class StateBook:
     adapter: OptimizerAdapter
     runtime: TorchRuntime
     packed: bool
+    before_bring_in: Callable[[], None] = lambda: None
     slots: dict[SlotKey, Slot] = field(default_factory=dict)
+    resident: dict[int, int] = field(default_factory=dict)  # id(param) -> its bytes
+    unit_bytes: list[int] = field(default_factory=list)
 
     # ---- what is swapped -----------------------------------------------------------------
 
@@ -78,7 +100,12 @@ class StateBook:
         return keys if wanted is None else tuple(k for k in keys if k in wanted)
 
     def swappable(self, param: torch.Tensor, value: object) -> bool:
-        """Whether state entry ``value`` of ``param`` can live in host memory."""
+        """Whether state entry ``value`` of ``param`` lives in host memory between steps."""
+        return id(param) not in self.resident and self.storable(param, value)
+
+    def storable(self, param: torch.Tensor, value: object) -> bool:
+        """Whether state entry ``value`` of ``param`` could live in host memory (it does
+        unless ``param`` is resident)."""
         if not isinstance(value, torch.Tensor):
             return False
         local = local_tensor(value)
@@ -203,6 +230,12 @@ class StateBook:
             The units to step, and every slot in layout order (for the packed layout).
         """
         opt = self.optimizer
+        if stepping:
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None and not opt.state.get(param):
+                        self._init_state(group, param, self.keys(group))
+        self._place_resident()
         units: list[Unit] = []
         ordered: list[Slot] = []
         live: set[SlotKey] = set()
@@ -211,8 +244,6 @@ class StateBook:
             for param in group["params"]:
                 grad = param.grad if stepping else None
                 state = opt.state.get(param)
-                if grad is not None and not state:
-                    state = self._init_state(group, param, keys)
                 slots = []
                 for key in keys if state else ():
                     assert state is not None
@@ -222,7 +253,7 @@ class StateBook:
                         live.add((id(param), key))
                 ordered.extend(slots)
                 if grad is not None:
-                    units.append(Unit(index, param, grad, slots))
+                    units.append(Unit(index, param, grad, slots, self.resident.get(id(param), 0)))
         stale = self.slots.keys() - live
         if stale:
             # Their host memory is freed below: no copy of the last step may still use it.
@@ -230,6 +261,61 @@ class StateBook:
         for gone in stale:
             del self.slots[gone]
         return units, ordered
+
+    def _place_resident(self) -> None:
+        """Choose the resident parameters from the state as it is, and bring the swapped
+        entries of those that just became resident onto the device.
+
+        Entries of parameters that stop being resident are taken into host memory by the
+        ``sync`` that follows (they are device tensors no slot holds).
+        """
+        opt = self.optimizer
+        params: list[torch.Tensor] = []
+        costs: list[int] = []
+        for group in opt.param_groups:
+            keys = self.keys(group)
+            for param in group["params"]:
+                state = opt.state.get(param) or {}
+                costs.append(
+                    sum(_nbytes(state[k]) for k in keys if self._counted(param, k, state.get(k)))
+                )
+                params.append(param)
+        self.unit_bytes = costs
+        fraction = self.config.resident_state_fraction
+        count = resident_count(costs, fraction) if fraction > 0 else 0
+        # A parameter without state yet is not resident: its state (created or loaded later)
+        # starts in host memory, and comes in at the sync that finds it in the prefix.
+        self.resident = {id(p): c for p, c in zip(params, costs[:count], strict=False) if c > 0}
+        # Slots of resident parameters, and those ``min_numel`` no longer swaps, come in.
+        leaving = [
+            key
+            for key, slot in self.slots.items()
+            if key[0] in self.resident or not self._eligible(slot.param, slot.dtype, slot.numel)
+        ]
+        incoming = [
+            self.slots[key]
+            for key in leaving
+            if opt.state.get(self.slots[key].param, {}).get(key[1]) is self.slots[key].value
+        ]
+        if incoming:
+            self.before_bring_in()
+            for slot in incoming:
+                local = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)
+                local.copy_(slot.host)
+                opt.state[slot.param][slot.key] = wrap_like(local, slot.value)
+        for key in leaving:
+            del self.slots[key]
+
+    def _counted(self, param: torch.Tensor, key: str, value: object) -> bool:
+        """Whether entry ``key`` is swappable state: a slot's (fresh packed zeros are not
+        contiguous) or one that could be."""
+        slot = self.slots.get((id(param), key))
+        return (slot is not None and slot.value is value) or self.storable(param, value)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Device bytes of the state kept resident for good."""
+        return sum(self.resident.values())
 
     def _init_state(
         self, group: MutableMapping[str, Any], param: torch.Tensor, keys: tuple[str, ...]
@@ -256,6 +342,11 @@ class StateBook:
             local.copy_(slot.host)
             self.optimizer.state[slot.param][slot.key] = wrap_like(local, slot.value)
         self.slots.clear()
+
+
+def _nbytes(value: torch.Tensor) -> int:
+    local = local_tensor(value)
+    return local.numel() * local.element_size()
 
 
 def _layout_source(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pluggy
@@ -19,7 +20,9 @@ import torch
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._swap.engine import ENGINE_ATTR, EngineBase
+from swapopt_core._swap.partition import partition
 from swapopt_core._swap.pipeline import Pipeline
+from swapopt_core._swap.step import StepUnit
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.bookkeeping import SlotKey, StateBook, Unit
 from swapopt_core._torch.checkpoint import CheckpointHooks
@@ -43,6 +46,8 @@ class SwapEngine(EngineBase):
 
     framework = "torch"
     install_note = ", new state starts in host memory at its first step"
+    prefetches = True
+    reconfigurable = EngineBase.reconfigurable | {"resident_state_fraction", "min_numel"}
     optimizer: torch.optim.Optimizer
     adapter: OptimizerAdapter
 
@@ -55,9 +60,18 @@ class SwapEngine(EngineBase):
         plugin_manager: pluggy.PluginManager,
     ) -> None:
         super().__init__(optimizer, config, adapter, runtime, plugin_manager)
-        self.book = StateBook(optimizer, config, adapter, runtime, packed=self.staging.packed)
+        self.book = StateBook(
+            optimizer,
+            config,
+            adapter,
+            runtime,
+            packed=self.staging.packed,
+            before_bring_in=self.before_host_rewrite,
+        )
         self.checkpoint = CheckpointHooks(self)
-        self.prefetch = BackwardPrefetch(runtime, self._prefetch_pipeline)
+        self.prefetch = BackwardPrefetch(
+            runtime, self._prefetch_pipeline, config.effective_prefetch_batches
+        )
         self._handles: list[Any] = []
         self._unsilence: Callable[[], None] | None = None
 
@@ -130,6 +144,7 @@ class SwapEngine(EngineBase):
         """Bring ``optimizer.state`` in line with the slots and the packed layout."""
         with torch.no_grad():
             units, ordered = self.book.sync(stepping=stepping)
+            self.ledger.hold(self.book.resident_bytes)
             self.lay_out(ordered)
         return units
 
@@ -162,6 +177,16 @@ class SwapEngine(EngineBase):
         self.book.adopt_loaded(pending)
         self._sync()
 
+    def configured(self) -> None:
+        """Move the state the new config places elsewhere, one entry at a time: entries that
+        become resident (or too small to swap) come in, those that stop being go out."""
+        self.book.config = self.config
+        self.prefetch.ahead = self.config.effective_prefetch_batches
+        # The last step's plan names batches that no longer exist: no prefetch until a step
+        # made a new one.
+        self.prefetch.remember([])
+        self._sync()
+
     def host_changing(self) -> None:
         # A prefetch read the host state a write back is about to replace.
         self.prefetch.drop()
@@ -185,6 +210,25 @@ class SwapEngine(EngineBase):
 
     def computing(self) -> contextlib.AbstractContextManager[Any]:
         return torch.no_grad()
+
+    def split_resident(
+        self, units: Sequence[StepUnit]
+    ) -> tuple[list[list[StepUnit]], list[StepUnit]]:
+        """The resident units in batches about the size of one batch of all the state (so
+        their undo copy stays one batch's), and the swapped rest.
+
+        ``swap_times`` batches the swapped rest; the resident part gets as many as its share
+        of all the bytes in ``swap_times`` batches would be.
+        """
+        lead = [u for u in units if isinstance(u, Unit) and u.resident]
+        if not lead:
+            return [], list(units)
+        rest = [u for u in units if not (isinstance(u, Unit) and u.resident)]
+        held = sum(u.resident_bytes for u in lead)
+        total = held + sum(u.nbytes for u in rest)
+        parts = max(1, math.ceil(held * self.config.swap_times / total)) if total else 1
+        runs = partition([u.resident_bytes for u in lead], parts)
+        return [[lead[k] for k in run] for run in runs], rest
 
     def start_pipeline(self, plan: list[list[Any]]) -> Pipeline:
         return self.prefetch.take(plan) or super().start_pipeline(plan)

@@ -2,10 +2,11 @@
 
 The optimizer state does not depend on the gradients, so nothing stops it from moving
 before the step. At the first gradient a backward accumulates into a parameter of the
-optimizer (``register_post_accumulate_grad_hook``), the first ``AHEAD`` batches of the
-last step's plan are staged and their copies in queued. The step then continues that
-``Pipeline`` if its batches are the same slots over the same host memory, and otherwise
-gives it back (``abandon``) and starts afresh.
+optimizer (``register_post_accumulate_grad_hook``), the first ``ahead`` batches of the
+last step's plan (``SwapOptimizerConfig.prefetch_batches``, clamped to the number of
+batches; 0 turns the hooks into no-ops) are staged and their copies in queued. The step
+then continues that ``Pipeline`` if its batches are the same slots over the same host
+memory, and otherwise gives it back (``abandon``) and starts afresh.
 
 Host state edited between the prefetch and the step (``opt.state[p]["exp_avg"].zero_()``
 after ``swap_stats``) is what the step updates from: the version counters of each
@@ -17,10 +18,13 @@ The hooks live on the parameters, which outlive a dropped optimizer: they hold t
 (and so the engine, its copy threads and host state) only weakly, and are removed once it
 is collected.
 
-Memory: from the first gradient of a backward until the step, ``AHEAD`` batches of state
-(``AHEAD / swap_times`` of it) are on the device on top of what
-backward uses; the step itself never holds more than three batches. Set
-``SwapOptimizerConfig.prefetch_during_backward=False`` to keep backward's peak as it was.
+Memory: from the first gradient of a backward until the step, ``ahead`` batches of the
+swapped state (about ``ahead / swap_times`` of it) are on the device on top of what backward
+uses. The step stages at most three batches at a time of its own; prefetched batches it has
+not reached yet stay staged until their turn, so with ``ahead`` above three the step starts
+with ``ahead`` batches on the device and the peak of the step is that many. Set
+``prefetch_batches=0`` (or ``prefetch_during_backward=False``) to keep backward's peak as it
+was.
 """
 
 from __future__ import annotations
@@ -39,10 +43,7 @@ from swapopt_core._torch.state import Slot
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AHEAD", "BackwardPrefetch"]
-
-#: Batches copied in ahead of a step: the step holds three at most, one stays free for it.
-AHEAD = 2
+__all__ = ["BackwardPrefetch"]
 
 #: What tells an in-place edit of a slot: the version counters of its host tensor and of
 #: its state entry (the same tensor, or a DTensor over it).
@@ -82,11 +83,16 @@ class BackwardPrefetch:
         runtime: Tells whether a prefetched copy in failed.
         open_pipeline: The engine's pipeline for a plan, or ``None`` when the engine wants
             no prefetch now (switched off, or batches kept on the device).
+        ahead: Batches to copy in (``SwapOptimizerConfig.effective_prefetch_batches``);
+            0: the hooks do nothing.
     """
 
-    def __init__(self, runtime: TransferRuntime, open_pipeline: PipelineFactory) -> None:
+    def __init__(
+        self, runtime: TransferRuntime, open_pipeline: PipelineFactory, ahead: int = 2
+    ) -> None:
         self.runtime = runtime
         self.open_pipeline = open_pipeline
+        self.ahead = ahead
         self.plan: list[list[Slot]] | None = None  #: the last step's batches
         self.pipeline: Pipeline | None = None
         self._hosts: list[torch.Tensor] = []  # the host memory the prefetch reads
@@ -110,7 +116,7 @@ class BackwardPrefetch:
         self._tried = False
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if self._tried or self.plan is None:
+        if self._tried or self.plan is None or self.ahead <= 0:
             return
         self._tried = True  # once per step, even if it fails
         if torch.compiler.is_compiling():  # traced, not run: nothing to copy yet
@@ -122,14 +128,15 @@ class BackwardPrefetch:
             # Outside any dispatch mode (an OffloadSession's tracer among them): these copies
             # are the optimizer's, not ops of the model's backward.
             with _disable_current_modes():
-                pipeline.start(AHEAD)
+                pipeline.start(self.ahead)
         except Exception:  # the step will bring the batches in itself; backward goes on
             if not self._failed:
                 logger.warning("prefetching optimizer state during backward failed", exc_info=True)
             self._failed = True
             return
-        self._hosts = [slot.host for batch in self.plan[:AHEAD] for slot in batch]
-        self._stamps = [_stamp_of(batch) for batch in self.plan[:AHEAD]]
+        ahead = self.plan[: self.ahead]
+        self._hosts = [slot.host for batch in ahead for slot in batch]
+        self._stamps = [_stamp_of(batch) for batch in ahead]
         self.pipeline = pipeline
 
     def take(self, batches: list[list[Slot]]) -> Pipeline | None:
@@ -145,7 +152,7 @@ class BackwardPrefetch:
         stamps, self._stamps = self._stamps, []
         if pipeline is None:
             return None
-        hosts = [slot.host for batch in batches[:AHEAD] for slot in batch]
+        hosts = [slot.host for batch in batches[: len(stamps)] for slot in batch]
         same_memory = len(hosts) == len(self._hosts) and all(
             a is b for a, b in zip(hosts, self._hosts, strict=True)
         )

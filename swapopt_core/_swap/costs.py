@@ -2,14 +2,14 @@
 
 A step is measured when asked (``CostMeter.wanted``: the first full step after install and
 any step after ``EngineBase.measure_next_step``); other steps pay nothing. A measured step
-stamps the compute queue around each batch's update (``TransferRuntime.stamp``, after the
-batch's copy in was waited for, so the time is the update's own) and reads the stamps once
-the step is over.
+stamps the compute queue around each batch's update and its undo copy
+(``TransferRuntime.stamp``, after the batch's copy in was waited for, so the time is the
+update's own) and reads the stamps once the step is over.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +25,12 @@ class StepTiming:
     runtime: Any
     marks: list[tuple[Any, Any, int]] = field(default_factory=list)
 
-    def time(self, nbytes: int, update: Callable[[], None]) -> None:
-        """Run ``update`` (a batch of ``nbytes`` state bytes) between two stamps."""
-        start = self.runtime.stamp()
-        update()
+    def start(self) -> Any:
+        """A stamp before a batch's update (and its undo copy)."""
+        return self.runtime.stamp()
+
+    def stop(self, start: Any, nbytes: int) -> None:
+        """The update of a batch of ``nbytes`` state bytes that began at ``start`` is done."""
         self.marks.append((start, self.runtime.stamp(), nbytes))
 
     def ms_per_byte(self) -> float:

@@ -247,16 +247,15 @@ class EngineBase(ABC):
         arena = UndoArena(self.ops, [work.changed(batch) for batch in lead + batches])
 
         def update_batch(batch: list[StepUnit], views: dict[Any, Any]) -> None:
+            start = None if timing is None else timing.start()
             saved = arena.save(work.changed(batch))
             try:
-                if timing is None:
-                    work.update(batch, views, memory.prepared)
-                else:
-                    nbytes = sum(u.nbytes for u in batch)
-                    timing.time(nbytes, lambda: work.update(batch, views, memory.prepared))
+                work.update(batch, views, memory.prepared)
             except BaseException:
                 arena.restore(saved)
                 raise
+            if timing is not None:
+                timing.stop(start, sum(u.nbytes for u in batch))
             for unit in batch:
                 memory.done[unit.key] = unit.token
 

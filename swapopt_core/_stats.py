@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["SwapStats"]
+if TYPE_CHECKING:
+    from swapopt_core._swap.engine import EngineBase
+
+__all__ = ["SwapStats", "engine_stats"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +53,33 @@ class SwapStats:
     resident_for_good_bytes: int = 0
     resident_state_fraction: float = 0.0
     prefetch_batches: int = 0
+
+
+def engine_stats(engine: EngineBase) -> SwapStats:
+    """A snapshot of ``engine``'s memory and traffic."""
+    # Here, not at the top: the engine module imports this one.
+    from swapopt_core._swap.staging import PackedStaging
+
+    slots = list(engine.slots.values())
+    swapped = sum(slot.nbytes for slot in slots)
+    staging = engine.staging
+    packed = isinstance(staging, PackedStaging) and staging.buffers
+    # Packed buffers may hold more than the slots.
+    host = staging.host_bytes if isinstance(staging, PackedStaging) and packed else swapped
+    return SwapStats(
+        total_state_bytes=swapped + engine.ledger.held,
+        resident_state_bytes=engine.ledger.current,
+        peak_resident_state_bytes=engine.ledger.peak,
+        host_state_bytes=host,
+        pinned_host_bytes=engine.runtime.pinned_nbytes(s.host for s in slots),
+        h2d_bytes=engine.h2d_bytes,
+        d2h_bytes=engine.d2h_bytes,
+        steps=engine.steps,
+        swapped_tensors=len(slots),
+        batches=engine.last_batches,
+        packed=staging.packed,
+        runtime=engine.runtime.name,
+        resident_for_good_bytes=engine.ledger.held,
+        resident_state_fraction=engine.config.resident_state_fraction,
+        prefetch_batches=engine.config.effective_prefetch_batches if engine.prefetches else 0,
+    )

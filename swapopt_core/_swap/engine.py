@@ -25,7 +25,9 @@ import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import AnyRuntime
-from swapopt_core._stats import SwapStats
+from swapopt_core._planning.whole_step import OptimizerCosts
+from swapopt_core._stats import SwapStats, engine_stats
+from swapopt_core._swap.costs import CostMeter, StepTiming
 from swapopt_core._swap.ledger import DeviceLedger
 from swapopt_core._swap.ops import SwapSlot, TensorOps
 from swapopt_core._swap.partition import partition
@@ -95,6 +97,8 @@ class EngineBase(ABC):
         #: tickets); ``None`` once they are known to be done.
         self.previous: Pipeline | None = None
         self._interrupted: Interrupted | None = None
+        #: Measures the first full step and any after ``measure_next_step``.
+        self.meter = CostMeter()
 
     # ---- what each backend implements --------------------------------------------------
 
@@ -169,6 +173,14 @@ class EngineBase(ABC):
         """
         return [], list(units)
 
+    def unit_bytes(self, units: Sequence[StepUnit]) -> list[int]:
+        """Swappable state bytes per unit in step order, resident ones included (``costs``)."""
+        return [u.nbytes for u in units]
+
+    def fixed_state_bytes(self) -> int:
+        """Device bytes of optimizer state that never moves (``costs``)."""
+        return 0
+
     def host_changing(self) -> None:  # noqa: B027
         """Host state is about to be rewritten under the engine (a write back): a backend
         drops what it read from it ahead of time."""
@@ -212,8 +224,10 @@ class EngineBase(ABC):
             runs = partition([u.nbytes for u in units], self.config.swap_times)
             batches = [[units[k] for k in run] for run in runs]
             plan = [[s for u in batch for s in u.slots] for batch in batches]
+            timing = self.meter.timing(self.runtime, resumed)
+            self.ledger.open_window()
             with self.computing():
-                pipeline = self._run_batches(work, memory, lead, batches, plan, resumed)
+                pipeline = self._run_batches(work, memory, lead, batches, plan, resumed, timing)
             # Until the observers have seen the step, a retry of the call only tells them again.
             self.finish_step(pipeline.h2d, pipeline.d2h, len(batches), resumed=resumed)
             self._interrupted = None
@@ -226,18 +240,22 @@ class EngineBase(ABC):
         batches: list[list[StepUnit]],
         plan: list[list[Any]],
         resumed: bool,
+        timing: StepTiming | None = None,
     ) -> Pipeline:
         from swapopt_core._swap.undo import UndoArena
 
         arena = UndoArena(self.ops, [work.changed(batch) for batch in lead + batches])
 
         def update_batch(batch: list[StepUnit], views: dict[Any, Any]) -> None:
+            start = None if timing is None else timing.start()
             saved = arena.save(work.changed(batch))
             try:
                 work.update(batch, views, memory.prepared)
             except BaseException:
                 arena.restore(saved)
                 raise
+            if timing is not None:
+                timing.stop(start, sum(u.nbytes for u in batch))
             for unit in batch:
                 memory.done[unit.key] = unit.token
 
@@ -266,6 +284,14 @@ class EngineBase(ABC):
         except BaseException:
             self._collect_failures()
             raise
+        if timing is not None:
+            self.meter.record(
+                timing,
+                unit_bytes=self.unit_bytes(work.units),
+                fixed_state_bytes=self.fixed_state_bytes(),
+                extra_peak_bytes=self.ledger.window_peak - self.ledger.held + arena.peak_bytes,
+                batches=[[u.nbytes for u in batch] for batch in lead + batches],
+            )
         return pipeline
 
     def _collect_failures(self) -> None:
@@ -328,6 +354,20 @@ class EngineBase(ABC):
             self.previous.reclaim(self.kept)
         self.previous = None
 
+    # ---- what the step costs ---------------------------------------------------------------
+
+    def measure_next_step(self) -> None:
+        """Measure the next full step for ``costs`` (it times each batch's update)."""
+        self.meter.wanted = True
+
+    def costs(self) -> OptimizerCosts | None:
+        """What the update cost at the last measured step; ``None`` before one.
+
+        The first full step after install is measured, and any after ``measure_next_step``;
+        ``unit_bytes`` covers the resident units too, so a planner can choose the fraction.
+        """
+        return self.meter.last
+
     @property
     def last_out(self) -> Any:
         """Ticket of the last step's last copy out (``None``: nothing in flight)."""
@@ -351,32 +391,9 @@ class EngineBase(ABC):
         self.plugin_manager.hook.swapopt_after_step(optimizer=self.optimizer, stats=self.stats())
         self.observers_owed = False
 
-    def host_state_bytes(self) -> int:
-        """Host bytes holding swapped state (packed buffers may hold more than the slots)."""
-        if isinstance(self.staging, PackedStaging) and self.staging.buffers:
-            return self.staging.host_bytes
-        return sum(slot.nbytes for slot in self.slots.values())
-
     def stats(self) -> SwapStats:
         """A snapshot of the memory and traffic of this engine."""
-        held = self.ledger.held
-        return SwapStats(
-            total_state_bytes=sum(slot.nbytes for slot in self.slots.values()) + held,
-            resident_state_bytes=self.ledger.current,
-            peak_resident_state_bytes=self.ledger.peak,
-            host_state_bytes=self.host_state_bytes(),
-            pinned_host_bytes=self.runtime.pinned_nbytes(s.host for s in self.slots.values()),
-            h2d_bytes=self.h2d_bytes,
-            d2h_bytes=self.d2h_bytes,
-            steps=self.steps,
-            swapped_tensors=len(self.slots),
-            batches=self.last_batches,
-            packed=self.staging.packed,
-            runtime=self.runtime.name,
-            resident_for_good_bytes=held,
-            resident_state_fraction=self.config.resident_state_fraction,
-            prefetch_batches=self.config.effective_prefetch_batches if self.prefetches else 0,
-        )
+        return engine_stats(self)
 
 
 def engine_of(optimizer: object) -> EngineBase | None:

@@ -43,6 +43,8 @@ class UndoArena:
                 self._sizes[key] = max(self._sizes.get(key, 0), numel)
         self._buffers: dict[tuple[Any, Any], Any] = {}
         self._loose: list[Any] = []  # buffers of the current batch only
+        #: Most device bytes the arena held at once (``OptimizerCosts.staging_factor``).
+        self.peak_bytes = 0
 
     def save(self, targets: Sequence[Target]) -> Saved:
         """Copy ``targets`` (on their device) into the arena; return what ``restore`` needs."""
@@ -66,6 +68,8 @@ class UndoArena:
                 self._loose.append(flat)
                 copy = self.ops.view(flat, 0, numel, shape)
             saved.append((target, copy))
+        held = sum(int(b.nbytes) for b in (*self._buffers.values(), *self._loose))
+        self.peak_bytes = max(self.peak_bytes, held)
         if saved:
             self.ops.save([t for t, _ in saved], [c for _, c in saved])
         return saved

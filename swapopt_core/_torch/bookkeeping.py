@@ -60,7 +60,8 @@ class Unit:
 
     @property
     def nbytes(self) -> int:
-        return sum(slot.nbytes for slot in self.slots)
+        """Bytes of its swappable state: on the device for good, or in its slots."""
+        return self.resident_bytes or sum(slot.nbytes for slot in self.slots)
 
 
 @dataclass(eq=False)
@@ -311,6 +312,23 @@ class StateBook:
         contiguous) or one that could be."""
         slot = self.slots.get((id(param), key))
         return (slot is not None and slot.value is value) or self.storable(param, value)
+
+    def fixed_bytes(self) -> int:
+        """Bytes of tensor state that is never swapped (too small, keys not swapped, step
+        counters), on the device of a parameter the runtime serves."""
+        total = 0
+        for group in self.optimizer.param_groups:
+            keys = self.keys(group)
+            for param in group["params"]:
+                for key, value in (self.optimizer.state.get(param) or {}).items():
+                    if not isinstance(value, torch.Tensor) or (
+                        key in keys and self._counted(param, key, value)
+                    ):
+                        continue
+                    local = local_tensor(value)
+                    if self.runtime.serves(local.device):
+                        total += _nbytes(local)
+        return total
 
     @property
     def resident_bytes(self) -> int:

@@ -187,6 +187,14 @@ class SwapEngine(EngineBase):
         self.prefetch.remember([])
         self._sync()
 
+    def unit_bytes(self, units: Sequence[StepUnit]) -> list[int]:
+        """Every parameter with swappable state, in ``param_groups`` order (with a gradient
+        this step or not): the order ``resident_state_fraction`` takes its prefix in."""
+        return [nbytes for nbytes in self.book.unit_bytes if nbytes]
+
+    def fixed_state_bytes(self) -> int:
+        return self.book.fixed_bytes()
+
     def host_changing(self) -> None:
         # A prefetch read the host state a write back is about to replace.
         self.prefetch.drop()
@@ -224,10 +232,10 @@ class SwapEngine(EngineBase):
         if not lead:
             return [], list(units)
         rest = [u for u in units if not (isinstance(u, Unit) and u.resident)]
-        held = sum(u.resident_bytes for u in lead)
+        held = sum(u.nbytes for u in lead)
         total = held + sum(u.nbytes for u in rest)
         parts = max(1, math.ceil(held * self.config.swap_times / total)) if total else 1
-        runs = partition([u.resident_bytes for u in lead], parts)
+        runs = partition([u.nbytes for u in lead], parts)
         return [[lead[k] for k in run] for run in runs], rest
 
     def start_pipeline(self, plan: list[list[Any]]) -> Pipeline:

@@ -85,3 +85,38 @@ def test_cuda_activation_offload_is_bit_exact_and_within_budget() -> None:
     stats = session.stats()
     assert stats.replays == 3 and stats.d2h_bytes > 0
     assert stats.last_peak_resident_activation_bytes <= 1.15 * 96 * 2**20 + 64 * 2**20
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_cuda_resident_part_and_reconfigure_are_bit_exact(packed: bool) -> None:
+    """Half the state resident for good, then all swapped, then a quarter: bit for bit."""
+    import dataclasses
+
+    from swapopt_core._api import reconfigure_swap
+    from swapopt_core._swap.engine import engine_of
+
+    plain_model, swapped_model = _model(), _model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
+    swapped = torch.optim.AdamW(swapped_model.parameters(), lr=1e-3)
+    config = SwapOptimizerConfig(swap_times=4, packed_swap=packed, resident_state_fraction=0.5)
+    swap_optimizer(swapped, config)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(9):
+        if step in (3, 6):
+            fraction = 0.0 if step == 3 else 0.25
+            config = dataclasses.replace(config, resident_state_fraction=fraction)
+            reconfigure_swap(swapped, config)
+        x = torch.randn(32, 256, device="cuda", generator=gen)
+        for model, opt in ((plain_model, plain), (swapped_model, swapped)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        stats = swap_stats(swapped)
+        assert stats.resident_state_bytes == stats.resident_for_good_bytes
+        assert (stats.resident_for_good_bytes > 0) == (config.resident_state_fraction > 0)
+    for a, b in zip(plain_model.parameters(), swapped_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in plain.state[a].items():
+            assert torch.equal(value.cpu(), swapped.state[b][key].cpu()), key
+    costs = engine_of(swapped).costs()
+    assert costs is not None and costs.update_ms_per_byte > 0

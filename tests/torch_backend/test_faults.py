@@ -7,7 +7,8 @@ makes to each runtime entry point of the engine's real runtime instance (``loopb
 before and after the adapter's update. Afterwards (a) ``state_dict()`` is complete, (e)
 ``swap_stats`` is true, (b) the step repeated with the same gradients equals one plain step,
 (c) further training equals plain training and (d) ``unswap_optimizer`` leaves a plain
-optimizer that keeps training exactly.
+optimizer that keeps training exactly. The matrix at ``swap_times=3`` runs again with part of
+the state resident for good (``resident_state_fraction``).
 """
 
 from __future__ import annotations
@@ -68,13 +69,19 @@ class _Observer:
             raise Injected("observer")
 
 
-def _swapped(packed: bool, swap_times: int, observer: _Observer, runtime: str) -> tuple:
+def _swapped(
+    packed: bool, swap_times: int, observer: _Observer, runtime: str, fraction: float = 0.0
+) -> tuple:
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     manager = new_plugin_manager(load_entrypoints=False)
     manager.register(observer)
     config = SwapOptimizerConfig(
-        swap_times=swap_times, min_numel=0, runtime=runtime, packed_swap=packed
+        swap_times=swap_times,
+        min_numel=0,
+        runtime=runtime,
+        packed_swap=packed,
+        resident_state_fraction=fraction,
     )
     swap_optimizer(opt, config, plugin_manager=manager)
     return model, opt
@@ -98,11 +105,13 @@ def _count(obj: object, name: str, counter: list[int]) -> None:
 
 
 @functools.cache
-def _calls(packed: bool, swap_times: int, point: str, fault_step: int, runtime: str) -> int:
+def _calls(
+    packed: bool, swap_times: int, point: str, fault_step: int, runtime: str, fraction: float
+) -> int:
     """How often a clean step number ``fault_step`` reaches ``point``."""
     if point == "after_step":
         return 1
-    model, opt = _swapped(packed, swap_times, _Observer(), runtime)
+    model, opt = _swapped(packed, swap_times, _Observer(), runtime, fraction)
     for seed in range(fault_step):
         _step(model, opt, seed)
     counter = [0]
@@ -138,18 +147,24 @@ def _assert_equal(model_a, opt_a, model_b, opt_b) -> None:  # noqa: ANN001
 
 
 def run_case(
-    packed: bool, swap_times: int, point: str, which: str, error: type, runtime: str = "loopback"
+    packed: bool,
+    swap_times: int,
+    point: str,
+    which: str,
+    error: type,
+    runtime: str = "loopback",
+    fraction: float = 0.0,
 ) -> None:
     # Host buffers are only allocated when state is created: fault the first step there.
     fault_step = 0 if point == "alloc_host" else 1
-    calls = _calls(packed, swap_times, point, fault_step, runtime)
+    calls = _calls(packed, swap_times, point, fault_step, runtime, fraction)
     if calls == 0:
         pytest.skip(f"a step makes no {point} call in this configuration")
     at = {"first": 1, "middle": (calls + 1) // 2, "last": calls}[which]
     observer = _Observer()
     plain_model = _model()
     plain = torch.optim.Adam(plain_model.parameters(), lr=1e-2)
-    model, opt = _swapped(packed, swap_times, observer, runtime)
+    model, opt = _swapped(packed, swap_times, observer, runtime, fraction)
     for seed in range(fault_step):
         _step(plain_model, plain, seed)
         _step(model, opt, seed)
@@ -167,10 +182,10 @@ def run_case(
     # (a) the state is complete: every parameter has all of its entries, or none yet.
     state = opt.state_dict()["state"]
     assert all(set(entry) in (KEYS, set()) for entry in state.values())
-    # (e) the stats tell the truth: nothing left on the device, the failed step not counted
-    # unless it finished and only an observer raised.
+    # (e) the stats tell the truth: nothing left on the device (but the resident part), the
+    # failed step not counted unless it finished and only an observer raised.
     stats = swap_stats(opt)
-    assert stats.resident_state_bytes == 0
+    assert stats.resident_state_bytes == stats.resident_for_good_bytes
     assert stats.steps == fault_step + (point == "after_step")
     # (b) the same gradients again: exactly one step.
     opt.step()
@@ -181,7 +196,9 @@ def run_case(
     _step(plain_model, plain, 10)
     _step(model, opt, 10)
     _assert_equal(plain_model, plain, model, opt)
-    assert swap_stats(opt).resident_state_bytes == 0
+    stats = swap_stats(opt)
+    assert stats.resident_state_bytes == stats.resident_for_good_bytes
+    assert (stats.resident_for_good_bytes > 0) == (fraction > 0)
     # (d) a plain optimizer again, still exact.
     unswap_optimizer(opt)
     assert engine_of(opt) is None
@@ -229,6 +246,16 @@ def test_fault_on_loopback_async(
     """The same matrix at ``swap_times=3`` with copies on worker threads, with jitter."""
     monkeypatch.setenv("SWAPOPT_LOOPBACK_JITTER_US", "300")
     run_case(MODES[mode], 3, point, which, ERRORS[error], runtime="loopback-async")
+
+
+@pytest.mark.parametrize("runtime", ["loopback", "loopback-async"])
+@pytest.mark.parametrize(("mode", "point", "which", "error"), ASYNC_CASES)
+def test_fault_with_a_resident_part(
+    monkeypatch: pytest.MonkeyPatch, mode: str, point: str, which: str, error: str, runtime: str
+) -> None:
+    """The same matrix at ``swap_times=3`` with 40 % of the state resident for good."""
+    monkeypatch.setenv("SWAPOPT_LOOPBACK_JITTER_US", "300")
+    run_case(MODES[mode], 3, point, which, ERRORS[error], runtime=runtime, fraction=0.4)
 
 
 def test_the_matrix_covers_every_entry_point() -> None:

@@ -286,7 +286,7 @@ class Executor:
         if runtime is not None and runtime.stamps_need_sync:
             # Op durations are read from device events: they must all have completed.
             runtime.wait_stamps()
-        d2h, h2d = self._bandwidths(runtime or self.runtime or shared_runtime(LoopbackRuntime))
+        d2h, h2d = self.bandwidths(runtime or self.runtime or shared_runtime(LoopbackRuntime))
         trace = ActivationTrace(
             tuple(warmup.trace_ops()),
             warmup.storage_sizes(),
@@ -371,7 +371,7 @@ class Executor:
         self.runtime, self.pool = runtime, HostPool(runtime, self.config.host_cap_bytes)
         return self.runtime, self.pool
 
-    def _bandwidths(self, runtime: TorchRuntime) -> tuple[float, float]:
+    def bandwidths(self, runtime: TorchRuntime) -> tuple[float, float]:
         """D2H and H2D bandwidth of ``runtime``, measured once."""
         if self._bandwidth is None or self._bandwidth[0] is not runtime:
             self._bandwidth = (runtime, runtime.measure_bandwidth())

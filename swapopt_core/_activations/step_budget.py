@@ -28,7 +28,6 @@ from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._planning.floor import format_bytes
 from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.whole_step import (
-    BudgetTooSmall,
     StepInputs,
     StepPlan,
     plan_step,
@@ -42,6 +41,10 @@ __all__ = ["StepBudget"]
 #: Device bytes the update holds per byte of its largest batch before one was measured:
 #: three staged batches and the undo copy of one.
 _FIRST_STAGING_FACTOR = 4.0
+#: Head room on the first plan's price of a batch: the first update ran one parameter per
+#: batch, and bigger batches hold somewhat more per byte (the plan is corrected once a
+#: planned update was metered).
+_BATCH_MARGIN = 1.1
 #: Bytes of optimizer state per parameter byte assumed before the state exists (Adam's two).
 _STATE_PER_PARAM = 2
 
@@ -108,7 +111,16 @@ class StepBudget:
             format_bytes(executor.budget_bytes),
         )
         self.engine.measure_next_step()
-        self._handle = optimizer.register_step_post_hook(self._after_step)
+        # The link is probed now, not in the first step: the probe's buffers are no part of
+        # the step and must not count against its budget.
+        executor.bandwidths(self.engine.runtime)
+        self._update_extra: int | None = None  # the first update's bytes over its start
+        self._inputs: StepInputs | None = None  # what the current plan was made from
+        self._update_start = 0
+        self._handles = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
 
     def _params(self) -> Iterator[torch.Tensor]:
         for group in self.optimizer.param_groups:
@@ -189,13 +201,49 @@ class StepBudget:
                 if isinstance(value, torch.Tensor):
                     yield value
 
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        meter = self._meter
+        if meter is not None:
+            # Forward and backward end here: the update is metered as a phase of its own.
+            self.step_peak = max(self.step_peak, meter.restart_peak())
+            self._update_start = meter.current_bytes
+
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         meter, self._meter = self._meter, None
         if meter is not None:
-            self.step_peak = max(self.step_peak, meter.end())
+            update_peak = meter.end()
+            self.step_peak = max(self.step_peak, update_peak)
+            extra = max(0, update_peak - self._update_start)
+            if self._update_extra is None:
+                self._update_extra = extra
+            elif self.plan is not None and self._inputs is not None:
+                self._correct(extra)
         if not self._planned_once:
             self._planned_once = True
             self._make_plan()
+
+    def _correct(self, extra: int) -> None:
+        """Plan again if the update held more per batch than the plan assumed.
+
+        The first update ran one parameter per batch; a planned one runs bigger batches,
+        whose temporaries and undo copies need not scale the same way. What the meter saw
+        is the better price: the plan is made again with it (once it differs by over 1 %).
+        """
+        assert self.plan is not None and self._inputs is not None
+        largest = self.plan.largest_batch_bytes
+        costs = self._inputs.optimizer
+        planned = self.plan.update_extra_bytes
+        if not largest or extra <= planned * 1.01:
+            return
+        factor = costs.staging_factor * extra / planned if planned else extra / largest
+        costs = dataclasses.replace(costs, staging_factor=factor)
+        logger.info(
+            "swapopt: the update held %s beyond its start, over the %s planned; planning again",
+            format_bytes(extra),
+            format_bytes(planned),
+        )
+        self._inputs = dataclasses.replace(self._inputs, optimizer=costs)
+        self._apply(plan_step(self._inputs))
 
     def _make_plan(self) -> None:
         costs = self.engine.costs()
@@ -207,6 +255,13 @@ class StepBudget:
                 "a measured update" if costs is None else "a traced forward and backward",
             )
             return
+        largest = max(costs.unit_bytes, default=0)
+        if self._update_extra is not None and largest:
+            # The first update ran one parameter per batch: what it held beyond its start,
+            # over the largest parameter's state, is what a batch costs with everything in
+            # (staging, the undo copy, the update's temporaries), as the meter saw it.
+            measured = self._update_extra / largest * _BATCH_MARGIN
+            costs = dataclasses.replace(costs, staging_factor=max(costs.staging_factor, measured))
         ready = tuple(self.executor.gradient_ready)
         start = min((op for op, _ in ready), default=None)
         if start is None:
@@ -222,12 +277,8 @@ class StepBudget:
             planner=self.executor.planner,
             grad_ready=ready,
         )
-        try:
-            plan = plan_step(inputs)
-        except BudgetTooSmall:
-            logger.error("swapopt: no whole-step plan fits the device budget", exc_info=True)
-            raise
-        self._apply(plan)
+        self._inputs = inputs
+        self._apply(plan_step(inputs))
 
     def _apply(self, plan: StepPlan) -> None:
         from swapopt_core._api import reconfigure_swap
@@ -276,5 +327,6 @@ class StepBudget:
         }
 
     def close(self) -> None:
-        """Remove the step hook (the session is done with the optimizer)."""
-        self._handle.remove()
+        """Remove the step hooks (the session is done with the optimizer)."""
+        for handle in self._handles:
+            handle.remove()

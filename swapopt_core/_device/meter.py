@@ -76,6 +76,11 @@ class StepMeter(ABC):
     def end(self) -> int:
         """Close the window and return its peak in bytes."""
 
+    @abstractmethod
+    def restart_peak(self) -> int:
+        """Return the peak so far and start the peak again from what is held now (a
+        window's phases: forward and backward, then the update)."""
+
     def resized(self, storage: Any) -> None:
         """swapopt resized ``storage`` in place; meters that count storages follow it."""
         return
@@ -115,6 +120,12 @@ class AllocatorMeter(StepMeter):
             self._last_peak = self.peak_bytes
             self.is_open = False
         return self._last_peak
+
+    def restart_peak(self) -> int:
+        peak = self.peak_bytes
+        if self.is_open:
+            torch.accelerator.reset_peak_memory_stats(self.device)
+        return peak
 
 
 class StorageMeter(StepMeter):
@@ -167,6 +178,13 @@ class StorageMeter(StepMeter):
             self._last_peak = self._peak
             self._close()
         return self._last_peak
+
+    def restart_peak(self) -> int:
+        with self._lock:
+            peak = self.peak_bytes
+            if self.is_open:
+                self._peak = self._current
+            return peak
 
     def _close(self) -> None:
         mode, self._mode = self._mode, None

@@ -11,10 +11,11 @@ compute: the copies out still running overlap the next forward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from swapopt_core._swap.partition import partition
-from swapopt_core._swap.resident import resident_count
+from swapopt_core._planning.partition import partition
+from swapopt_core._planning.resident import resident_count
 
 __all__ = ["UpdateCosts", "UpdateShape", "update_shape"]
 
@@ -43,6 +44,9 @@ class UpdateShape:
         step_ms: Predicted time from the step's start to its last compute.
         tail_ms: Copies out still running after that.
         prefetch_bytes: Bytes copied in during backward.
+        resident_batch_bytes: State bytes of each batch of resident units (they are updated
+            in batches about the size of one batch of all the state, so that the undo copy
+            and the update's temporaries stay one batch's).
     """
 
     resident_bytes: int
@@ -51,10 +55,21 @@ class UpdateShape:
     step_ms: float
     tail_ms: float
     prefetch_bytes: int
+    resident_batch_bytes: tuple[int, ...] = ()
+
+    def extra_bytes(self, staging_factor: float) -> int:
+        """Device bytes the update holds beyond the resident state: ``staging_factor`` times
+        the batch being updated, and while a resident batch is, the swapped batches whose
+        copies in run meanwhile (up to two: the pipeline keeps three batches)."""
+        swapped = max(self.batch_bytes, default=0)
+        resident = max(self.resident_batch_bytes, default=0)
+        arriving = sum(self.batch_bytes[: HELD_BATCHES - 1]) if resident else 0
+        return int(staging_factor * max(swapped, resident) + arriving)
 
     @property
     def largest_batch(self) -> int:
-        return max(self.batch_bytes, default=0)
+        """The most state one batch of the update holds, resident or swapped."""
+        return max((*self.batch_bytes, *self.resident_batch_bytes), default=0)
 
 
 def update_shape(
@@ -69,6 +84,10 @@ def update_shape(
     resident = sum(unit_bytes[:keep])
     rest = unit_bytes[keep:]
     batches = tuple(sum(rest[k] for k in run) for run in partition(rest, swap_times))
+    total = resident + sum(rest)
+    parts = max(1, math.ceil(resident * swap_times / total)) if total else 1
+    lead = unit_bytes[:keep]
+    resident_batches = tuple(sum(lead[k] for k in run) for run in partition(lead, parts))
     prefetch = min(prefetch, len(batches), HELD_BATCHES - 1)
     clock = resident * costs.ms_per_byte + (costs.batch_overhead_ms if resident else 0.0)
     in_free = 0.0
@@ -91,4 +110,5 @@ def update_shape(
         step_ms=clock,
         tail_ms=max(0.0, out_free - clock),
         prefetch_bytes=sum(batches[:prefetch]),
+        resident_batch_bytes=resident_batches,
     )

@@ -107,6 +107,10 @@ class StepPlan:
         planned_step_ms: Predicted time of the whole step.
         plain_peak_bytes: Predicted peak of the same step without swapopt.
         plain_step_ms: Predicted time of the same step without swapopt.
+        largest_batch_bytes: State bytes of the update's largest batch, resident or swapped
+            (what ``staging_factor`` multiplies).
+        update_extra_bytes: Device bytes the update is predicted to hold beyond the state
+            that stays resident, the gradients and the parameters.
     """
 
     resident_state_fraction: float
@@ -118,6 +122,8 @@ class StepPlan:
     planned_step_ms: float
     plain_peak_bytes: int
     plain_step_ms: float
+    largest_batch_bytes: int = 0
+    update_extra_bytes: int = 0
 
     @property
     def moves_nothing(self) -> bool:
@@ -270,7 +276,7 @@ def plan_step(inputs: StepInputs) -> StepPlan:
     plain = (plain_peak, natural.ms + plain_update_ms)
     budget = inputs.budget_bytes
     if plain_peak <= budget:
-        return StepPlan(1.0, 1, 0, None, None, plain_peak, plain[1], *plain)
+        return StepPlan(1.0, 1, 0, None, None, plain_peak, plain[1], *plain, state)
     _check_floor(inputs, acts, state, base)
     link = UpdateCosts(
         ms_per_byte=opt.update_ms_per_byte,
@@ -306,6 +312,8 @@ def plan_step(inputs: StepInputs) -> StepPlan:
         planned_step_ms=best.ms,
         plain_peak_bytes=plain[0],
         plain_step_ms=plain[1],
+        largest_batch_bytes=best.shape.largest_batch,
+        update_extra_bytes=best.shape.extra_bytes(opt.staging_factor),
     )
 
 
@@ -321,7 +329,7 @@ def _may_fit(inputs: StepInputs, acts: _Activations, base: int, shape: UpdateSha
     """Whether the parts no activation plan changes fit: the gradients and prefetch at the
     end of backward, the update's staging."""
     held = base + shape.resident_bytes + acts.grads[-1] + acts.retained
-    staging = int(inputs.optimizer.staging_factor * shape.largest_batch)
+    staging = shape.extra_bytes(inputs.optimizer.staging_factor)
     return max(held + shape.prefetch_bytes, held + staging) <= inputs.budget_bytes
 
 

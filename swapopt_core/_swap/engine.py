@@ -25,12 +25,12 @@ import pluggy
 
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import AnyRuntime
+from swapopt_core._planning.partition import partition
 from swapopt_core._planning.whole_step import OptimizerCosts
 from swapopt_core._stats import SwapStats, engine_stats
 from swapopt_core._swap.costs import CostMeter, StepTiming
 from swapopt_core._swap.ledger import DeviceLedger
 from swapopt_core._swap.ops import SwapSlot, TensorOps
-from swapopt_core._swap.partition import partition
 from swapopt_core._swap.pipeline import Pipeline, deferred_interrupt, write_back
 from swapopt_core._swap.staging import PackedStaging, Staged, make_staging
 from swapopt_core._swap.step import Interrupted, StepUnit, StepWork

@@ -23,7 +23,7 @@ import torch
 
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import TorchRuntime
-from swapopt_core._swap.resident import resident_count
+from swapopt_core._planning.resident import resident_count
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.state import Slot, local_tensor, wrap_like
 

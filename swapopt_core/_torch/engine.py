@@ -19,8 +19,8 @@ import torch
 
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import TransferRuntime
+from swapopt_core._planning.partition import partition
 from swapopt_core._swap.engine import ENGINE_ATTR, EngineBase
-from swapopt_core._swap.partition import partition
 from swapopt_core._swap.pipeline import Pipeline
 from swapopt_core._swap.step import StepUnit
 from swapopt_core._torch.adapter import OptimizerAdapter

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from swapopt_core._swap.partition import partition
+from swapopt_core._planning.partition import partition
 
 
 def _sums(costs: list[int], runs: list[range]) -> list[int]:

@@ -1,4 +1,4 @@
-from swapopt_core._swap.resident import resident_count
+from swapopt_core._planning.resident import resident_count
 
 
 def test_prefix_within_fraction() -> None:

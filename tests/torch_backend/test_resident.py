@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from swapopt_core import swap_optimizer, swap_stats, unswap_optimizer
+from swapopt_core._planning.resident import resident_count
 from swapopt_core._swap.engine import engine_of
-from swapopt_core._swap.resident import resident_count
 from tests.conftest import assert_same, loopback, make_model, train, twin
 
 #: Each test runs on the synchronous loopback and on loopback-async with jitter.

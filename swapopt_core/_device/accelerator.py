@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 import torch
 
 from swapopt_core._device.interface import CopyPair, TransferRuntime
-from swapopt_core._device.meter import AllocatorMeter, StepMeter
 from swapopt_core._device.pinned import alloc_pinned
 
 logger = logging.getLogger(__name__)
@@ -146,9 +145,6 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
 
     def serves(self, device: torch.device) -> bool:
         return device.type == self.device.type
-
-    def _make_step_meter(self) -> StepMeter:
-        return AllocatorMeter(self.device)
 
     def _stream(self, device: torch.device, direction: str) -> torch.Stream:
         stream = self._streams.get((device, direction))

@@ -12,6 +12,7 @@ runtimes subclass ``TransferRuntime[mindspore.Tensor, str, ...]``.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 import weakref
@@ -21,9 +22,11 @@ from typing import Any, ClassVar, Generic, Protocol, TypeAlias, TypeVar
 
 import torch
 
-from swapopt_core._device.meter import StepMeter
+from swapopt_core._device.meter import AllocatorMeter, StepMeter, StorageMeter
 
 __all__ = ["AnyRuntime", "CopyPair", "Ticket", "TorchRuntime", "TransferRuntime", "byte_view"]
+
+_NO_SIZE = 1 << 62  # sorts after every real size: bisects to the last buffer at an address
 
 TensorT = TypeVar("TensorT")
 DeviceT = TypeVar("DeviceT")
@@ -92,6 +95,10 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
     stamps_need_sync: ClassVar[bool] = False
     #: This instance's whole-step meter, made at the first ``step_meter`` call.
     _step_meter: StepMeter | None = None
+    #: Host buffers counted with a key, sorted by address, with the count of buffer
+    #: changes the list reflects (``_is_host``).
+    _host_version = 0
+    _host_index: tuple[int, list[tuple[int, int]]] = (-1, [])
 
     def __init__(self) -> None:
         self.device: DeviceT | None = None
@@ -153,6 +160,7 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
         self.pinned_bytes += nbytes
         if key is not None:
             self._pinned[key] = nbytes
+            self._host_version += 1
         # A weak reference: a buffer (which a queued copy may still hold) must not keep the
         # runtime, its lanes and every buffer they hold alive.
         weakref.finalize(owner, _uncount, weakref.ref(self), nbytes, key)
@@ -161,6 +169,7 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
         self.pinned_bytes -= nbytes
         if key is not None:
             self._pinned.pop(key, None)
+            self._host_version += 1
 
     def _uncount_host(self, nbytes: int) -> None:
         """``_uncount_pinned`` for a buffer counted without a key."""
@@ -190,15 +199,49 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
         return self._step_meter
 
     def _make_step_meter(self) -> StepMeter:
-        """Make the meter ``step_meter`` returns; each runtime that can measure overrides it.
+        """Make the meter ``step_meter`` returns.
 
-        Raises:
-            NotImplementedError: This runtime cannot measure its device's memory.
+        By default the allocator's counters (``AllocatorMeter``) for a runtime made for an
+        accelerator device, and a storage count (``StorageMeter``) where CPU memory plays
+        the device (``device`` is ``None`` or the CPU). The storage count is exact when
+        ``alloc_host`` counts its buffers with ``_count_pinned(..., key=...)`` (they never
+        count as device memory) and ``alloc_device``/``release_device`` report to it
+        (``_note_alloc``/``_note_release``, as the loopback runtimes do). Override it for
+        other devices.
         """
-        raise NotImplementedError(
-            f"the {self.name!r} runtime ({type(self).__qualname__}) has no whole-step device "
-            "meter; override TransferRuntime._make_step_meter to measure its device."
-        )
+        device = self.device
+        if isinstance(device, torch.device) and device.type not in ("cpu", "meta"):
+            return AllocatorMeter(device)
+        return StorageMeter("cpu", self._is_host)
+
+    def _is_host(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` lies in a host buffer counted with a key (a buffer, or a
+        piece of one with a storage of its own, as a swapped state tensor)."""
+        address = storage.data_ptr()
+        if address in self._pinned:
+            return True
+        version, index = self._host_index
+        if version != self._host_version:
+            # Buffers came or went. The index keeps the count it was built from: a buffer
+            # freed meanwhile on a lane's thread makes the next call rebuild it again.
+            version = self._host_version
+            index = sorted(list(self._pinned.items()))  # ``list``: one step under the GIL
+            self._host_index = (version, index)
+        at = bisect.bisect_right(index, (address, _NO_SIZE)) - 1
+        return at >= 0 and address < index[at][0] + index[at][1]
+
+    def _note_alloc(self, tensor: Any) -> None:
+        """``alloc_device`` handed out ``tensor``: an open storage count counts it (a
+        prefetch during backward allocates outside every dispatch mode)."""
+        meter = self._step_meter
+        if meter is not None and meter.is_open:
+            meter.resized(tensor.untyped_storage())
+
+    def _note_release(self, storage: Any) -> None:
+        """``release_device`` took ``storage`` back for reuse: it is no longer held."""
+        meter = self._step_meter
+        if isinstance(meter, StorageMeter):
+            meter.forget(storage)
 
     def note_resized(self, storage: Any) -> None:
         """swapopt resized a device ``storage`` in place (an activation released to zero

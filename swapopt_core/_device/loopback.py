@@ -12,7 +12,6 @@ pages (large blocks come straight from the OS on the CPU), a cost no device has.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -20,11 +19,8 @@ from typing import Any
 import torch
 
 from swapopt_core._device.interface import CopyPair, TransferRuntime
-from swapopt_core._device.meter import StepMeter, StorageMeter
 
 __all__ = ["LoopbackRuntime"]
-
-_NO_SIZE = 1 << 62  # sorts after every real size: bisects to the last buffer at an address
 
 
 class LoopbackRuntime(TransferRuntime[torch.Tensor, torch.device, Any]):
@@ -41,9 +37,6 @@ class LoopbackRuntime(TransferRuntime[torch.Tensor, torch.device, Any]):
         super().__init__()
         self._pool: dict[int, list[torch.UntypedStorage]] = {}  # free blocks by size
         self._pool_lock = threading.Lock()  # releases may run on a copy lane's thread
-        # Host buffers sorted by address, with the count of buffer changes it reflects.
-        self._host_version = 0
-        self._host_index: tuple[int, list[tuple[int, int]]] = (0, [])
 
     @classmethod
     def shared_key(cls, device: torch.device | None) -> object:
@@ -60,33 +53,6 @@ class LoopbackRuntime(TransferRuntime[torch.Tensor, torch.device, Any]):
             self._count_pinned(storage, storage.nbytes(), key=storage.data_ptr())
         return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
 
-    def _make_step_meter(self) -> StepMeter:
-        return StorageMeter("cpu", self._is_host)
-
-    def _is_host(self, storage: torch.UntypedStorage) -> bool:
-        """Whether ``storage`` lies in one of this runtime's host buffers (a buffer, or a
-        piece of one with a storage of its own, as a swapped state tensor)."""
-        address = storage.data_ptr()
-        if address in self._pinned:
-            return True
-        version, index = self._host_index
-        if version != self._host_version:
-            # Buffers came or went (a finalizer may run on a lane's thread meanwhile: the
-            # index is kept only if no change came during the rebuild).
-            version = self._host_version
-            index = sorted(list(self._pinned.items()))
-            self._host_index = (version, index)
-        at = bisect.bisect_right(index, (address, _NO_SIZE)) - 1
-        return at >= 0 and address < index[at][0] + index[at][1]
-
-    def _count_pinned(self, owner: object, nbytes: int, key: int | None = None) -> None:
-        super()._count_pinned(owner, nbytes, key)
-        self._host_version += 1  # the index is rebuilt when next asked
-
-    def _uncount_pinned(self, nbytes: int, key: int | None = None) -> None:
-        super()._uncount_pinned(nbytes, key)
-        self._host_version += 1
-
     def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
         with self._pool_lock:
@@ -96,10 +62,7 @@ class LoopbackRuntime(TransferRuntime[torch.Tensor, torch.device, Any]):
             tensor = torch.empty(numel, dtype=dtype, device=device)
         else:
             tensor = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
-        meter = self._step_meter
-        if meter is not None and meter.is_open:
-            # Counted here too: a prefetch during backward allocates outside dispatch modes.
-            meter.resized(tensor.untyped_storage())
+        self._note_alloc(tensor)
         return tensor
 
     def release_device(self, tensor: torch.Tensor, after: Sequence[Any] = ()) -> None:
@@ -109,9 +72,7 @@ class LoopbackRuntime(TransferRuntime[torch.Tensor, torch.device, Any]):
         """Empty ``tensor`` and keep its memory for the next allocation of its size."""
         storage = tensor.untyped_storage()
         tensor.set_()  # type: ignore[call-overload]  # the tensor handed out is empty now
-        meter = self._step_meter
-        if isinstance(meter, StorageMeter):
-            meter.forget(storage)  # back in the pool: no longer held by the step
+        self._note_release(storage)  # in the pool: no longer held by the step
         if storage.nbytes():
             with self._pool_lock:
                 self._pool.setdefault(storage.nbytes(), []).append(storage)

@@ -74,7 +74,8 @@ class StepMeter(ABC):
 
     @abstractmethod
     def end(self) -> int:
-        """Close the window and return its peak in bytes."""
+        """Close the window and return its peak in bytes (on a closed meter: the last
+        window's peak again, 0 before the first)."""
 
     @abstractmethod
     def restart_peak(self) -> int:

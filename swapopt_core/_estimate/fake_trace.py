@@ -16,9 +16,10 @@ op's cost in place of a measured duration:
 Ops that only make a view (their schema returns an alias of an input and writes nothing) are
 not recorded: they launch no kernel and touch no memory, and every later use of the view is
 an access to the same storage. Neither are ``prim`` queries (``prim.device``, which fake
-tensors dispatch for every ``.device`` read: four in five dispatched ops of a Llama step). Parameters, buffers and the inputs are not activations: they
-are left out of the storages, and so are the gradients (``OffloadStats`` counts them apart,
-as the session does).
+tensors dispatch for every ``.device`` read: four in five dispatched ops of a Llama step).
+
+Parameters, buffers and the inputs are not activations: they are left out of the storages,
+and so are the gradients (``OffloadStats`` counts them apart, as the session does).
 """
 
 from __future__ import annotations

@@ -84,11 +84,13 @@ def _config_spec(path: str, dtype: str | None) -> ModelSpec:
         raise ValueError(
             f"--model {path}: a config file needs transformers (pip install transformers)."
         ) from None
+    named = data.pop("dtype", None) or data.pop("torch_dtype", None)  # read here, not there
+    data.pop("torch_dtype", None)
     try:
         config = transformers.AutoConfig.for_model(**data)
     except (ValueError, TypeError, KeyError) as error:
         raise ValueError(f"--model {path}: transformers refuses the config ({error}).") from None
-    wanted = _DTYPES.get(dtype or "") or _config_dtype(config)
+    wanted = _DTYPES.get(dtype or "") or _DTYPES.get(str(named)) or torch.float32
 
     def build(batch: int, seq: int) -> tuple[torch.nn.Module, Any]:
         model = _from_config(transformers, config, wanted)
@@ -105,13 +107,6 @@ def _from_config(transformers: Any, config: Any, dtype: torch.dtype) -> torch.nn
         return auto.from_config(config, dtype=dtype)  # transformers >= 4.56
     except TypeError:
         return auto.from_config(config, torch_dtype=dtype)
-
-
-def _config_dtype(config: Any) -> torch.dtype:
-    found = getattr(config, "torch_dtype", None)
-    if isinstance(found, str):
-        found = _DTYPES.get(found)
-    return found if isinstance(found, torch.dtype) else torch.float32
 
 
 def _factory_spec(text: str, dtype: str | None) -> ModelSpec:

@@ -2,10 +2,10 @@
 
 See ``docs/estimate.md``. The parts: ``models`` (what ``--model`` names), ``fake_trace`` (one
 step recorded on fake tensors), ``profiles`` (device rates), ``costs`` (the trace and the
-update priced), ``estimate`` (plain training and the plan), ``report`` (table and JSON).
+update priced), ``breakdown`` (plain training and the plan), ``report`` (table and JSON).
 """
 
-from swapopt_core._estimate.estimate import Breakdown, Estimate, estimate
+from swapopt_core._estimate.breakdown import Breakdown, Estimate, estimate
 from swapopt_core._estimate.models import ModelSpec, model_spec
 from swapopt_core._estimate.profiles import DeviceProfile, load_profile, profile_named
 from swapopt_core._estimate.report import estimate_json, render_estimate

@@ -1,4 +1,4 @@
-"""Show an :class:`~swapopt_core._estimate.estimate.Estimate`: a table, and its JSON."""
+"""Show an :class:`~swapopt_core._estimate.breakdown.Estimate`: a table, and its JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from rich.table import Table
 
-from swapopt_core._estimate.estimate import Breakdown, Estimate
+from swapopt_core._estimate.breakdown import Breakdown, Estimate
 
 __all__ = ["estimate_json", "render_estimate"]
 

@@ -11,8 +11,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from swapopt_core._estimate import DeviceProfile, estimate, model_spec
+from swapopt_core._estimate.breakdown import trace_fake_step
 from swapopt_core._estimate.costs import OPTIMIZERS, activation_trace, optimizer_costs
-from swapopt_core._estimate.estimate import trace_fake_step
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ResidencySchedule
 

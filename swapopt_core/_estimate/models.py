@@ -104,9 +104,10 @@ def _from_config(transformers: Any, config: Any, dtype: torch.dtype) -> torch.nn
     """The model in ``dtype``, made in it (``.to()`` cannot swap fake parameters)."""
     auto = transformers.AutoModelForCausalLM
     try:
-        return auto.from_config(config, dtype=dtype)  # transformers >= 4.56
-    except TypeError:
-        return auto.from_config(config, torch_dtype=dtype)
+        model: torch.nn.Module = auto.from_config(config, dtype=dtype)  # transformers >= 4.56
+    except TypeError:  # older releases call it torch_dtype
+        model = auto.from_config(config, torch_dtype=dtype)
+    return model
 
 
 def _factory_spec(text: str, dtype: str | None) -> ModelSpec:

@@ -260,6 +260,7 @@ def estimate(
             trace=trace,
             backward_start_op=traced.step.backward_start,
             planner=planner,
+            grad_ready=tuple(traced.step.gradients),
         )
         plan = _planned(plan_step(inputs), plain, trace, costs)
     details = {

@@ -115,13 +115,46 @@ def test_budget_below_the_floor(
     assert "parameters plus gradients need more" in err and "floor: 1,234 MiB" in err
 
 
-@pytest.mark.xfail(raises=NotImplementedError, reason="plan_step lands with the lead's merge")
-def test_real_planner_plans_the_tiny_llama(profile: str, tmp_path: Path) -> None:
+def _plan_step_missing() -> bool:
+    """Whether ``plan_step`` is still the contract's stub (until the lead's planner merges)."""
+    import inspect
+
+    from swapopt_core._planning import whole_step
+
+    return "raise NotImplementedError" in inspect.getsource(whole_step.plan_step)
+
+
+needs_planner = pytest.mark.skipif(_plan_step_missing(), reason="plan_step is not written yet")
+
+
+@needs_planner
+def test_real_planner_moves_nothing_when_all_fits(profile: str, tmp_path: Path) -> None:
     out = tmp_path / "e.json"
     assert _run("--profile", profile, "--budget-mb", "100", "--json", str(out)) == 0
     data = json.loads(out.read_text())
     assert data["plan"]["peak_bytes"] <= 100 * 2**20
     assert data["plan"]["moves_nothing"]  # 100 MiB holds the whole tiny step
+    assert data["plan"]["optimizer_state_bytes"] == data["plain"]["optimizer_state_bytes"]
+
+
+@needs_planner
+def test_real_planner_keeps_a_tight_budget(profile: str, tmp_path: Path) -> None:
+    first = tmp_path / "plain.json"
+    assert _run("--profile", profile, "--json", str(first)) == 0
+    plain = json.loads(first.read_text())["plain"]
+    budget = 0.8 * plain["peak_bytes"] / 2**20
+    out = tmp_path / "e.json"
+    assert _run("--profile", profile, "--budget-mb", f"{budget:.3f}", "--json", str(out)) == 0
+    plan = json.loads(out.read_text())["plan"]
+    assert plan["peak_bytes"] <= budget * 2**20
+    assert not plan["moves_nothing"]
+
+
+@needs_planner
+def test_real_floor_message(profile: str, capsys: pytest.CaptureFixture) -> None:
+    assert _run("--profile", profile, "--budget-mb", "0.5") == 1
+    err = capsys.readouterr().err
+    assert "--budget-mb 0.5:" in err and "floor:" in err and "parameters" in err
 
 
 @pytest.mark.parametrize(

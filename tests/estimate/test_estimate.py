@@ -133,3 +133,20 @@ def test_dtype_flag_builds_bf16() -> None:
 def test_unknown_optimizer() -> None:
     with pytest.raises(ValueError, match="--optimizer lion: expected one of adamw"):
         estimate(model_spec(TINY), 1, 16, PROFILE, _Nothing(), optimizer="lion")
+
+
+def test_builtin_profiles() -> None:
+    from swapopt_core._estimate import profile_named
+
+    h200 = profile_named(" H200 ")
+    assert (
+        h200.name == "h200" and h200.mem_bandwidth_gbps > profile_named("h100").mem_bandwidth_gbps
+    )
+    # Compute-bound, memory-bound, and the launch overhead alone.
+    assert h200.op_ms(690e12, 0, True) == pytest.approx(1e3 + 4e-3)
+    assert h200.op_ms(0, 4320e9, False) == pytest.approx(1e3 + 4e-3)
+    assert h200.op_ms(0, 0, False) == pytest.approx(4e-3)
+    cpu = profile_named("cpu")  # measured here, once per process
+    assert cpu is profile_named("cpu")
+    values = [v for v in cpu.to_dict().values() if not isinstance(v, str)]
+    assert all(v > 0 for v in values)

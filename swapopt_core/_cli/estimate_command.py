@@ -76,6 +76,11 @@ def _estimate_command(parser: argparse.ArgumentParser) -> Handler:
         help=f"activation planner; {AUTO} = {DEFAULT_PLANNER} (default: %(default)s)",
     )
     add("--json", metavar="OUT", help="also write the estimate as JSON to OUT")
+    add(
+        "--trace-out",
+        metavar="T.json",
+        help="also write the priced activation trace (for swapopt plan and swapopt plot)",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from swapopt_core._cli.support import CommandError, choose_planner, write_text
@@ -115,11 +120,13 @@ def _estimate_command(parser: argparse.ArgumentParser) -> Handler:
         except (CommandError, ValueError) as error:
             return user_error(parser, str(error))
         Console().print(render_estimate(found))
-        if args.json:
-            try:
+        try:
+            if args.json:
                 write_text(args.json, estimate_json(found), "--json")
-            except CommandError as error:
-                return user_error(parser, str(error))
+            if args.trace_out and found.trace is not None:
+                write_text(args.trace_out, found.trace.to_json(), "--trace-out")
+        except CommandError as error:
+            return user_error(parser, str(error))
         return 0
 
     return run

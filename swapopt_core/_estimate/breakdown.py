@@ -83,6 +83,7 @@ class Estimate:
         budget_bytes: The budget asked for.
         profile: The device profile used.
         details: How the trace was made (model, batch, sequence, ops, seconds).
+        trace: The priced activation trace (what ``swapopt plan`` and ``plot`` read).
     """
 
     plain: Breakdown
@@ -90,6 +91,7 @@ class Estimate:
     budget_bytes: int | None
     profile: DeviceProfile
     details: dict[str, Any] = field(default_factory=dict)
+    trace: ActivationTrace | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form: ``plain``, ``plan`` and how they were made."""
@@ -277,4 +279,4 @@ def estimate(
         "estimate_seconds": round(time.perf_counter() - started, 3),
     }
     logger.info("estimate: %d ops traced in %.1f s", len(trace.ops), traced_s)
-    return Estimate(plain, plan, budget_bytes, profile, details)
+    return Estimate(plain, plan, budget_bytes, profile, details, trace)

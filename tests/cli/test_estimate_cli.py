@@ -9,6 +9,7 @@ import pytest
 
 import swapopt_core._estimate.breakdown as estimate_module
 from swapopt_core._cli.main import main
+from swapopt_core._planning.ir import ActivationTrace
 from swapopt_core._planning.whole_step import BudgetTooSmall, StepInputs, StepPlan
 
 TINY = str(Path(__file__).parents[1] / "estimate" / "data" / "tiny_llama.json")
@@ -55,7 +56,8 @@ def test_plain_only_writes_json(
     profile: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / "e.json"
-    assert _run("--profile", profile, "--json", str(out)) == 0
+    trace = tmp_path / "t.json"
+    assert _run("--profile", profile, "--json", str(out), "--trace-out", str(trace)) == 0
     data = json.loads(out.read_text())
     assert set(data["plain"]) == KEYS
     assert data["plan"] is None
@@ -69,6 +71,13 @@ def test_plain_only_writes_json(
     )
     table = capsys.readouterr().out
     assert "whole step, peak" in table and "on dev" in table
+    # The trace reads back, and swapopt plan plans it.
+    read = ActivationTrace.from_json(trace.read_text())
+    assert len(read.ops) == data["ops"] and read.h2d_bandwidth_gbps == 10
+    budget = str(data["plain"]["activations_peak_bytes"] / 2 / 2**20)
+    schedule = tmp_path / "s.json"
+    assert main(["plan", "--trace", str(trace), "--budget-mb", budget, "--out", str(schedule)]) == 0
+    assert schedule.exists()
 
 
 def _fake_plan(captured: list[StepInputs]) -> object:

@@ -15,7 +15,8 @@ op's cost in place of a measured duration:
 
 Ops that only make a view (their schema returns an alias of an input and writes nothing) are
 not recorded: they launch no kernel and touch no memory, and every later use of the view is
-an access to the same storage. Neither are ``prim`` queries (``prim.device``, which fake
+an access to the same storage; so are ops whose every output is in an input's storage and
+that write nothing (``_unsafe_view``). Neither are ``prim`` queries (``prim.device``, which fake
 tensors dispatch for every ``.device`` read: four in five dispatched ops of a Llama step).
 
 Parameters, buffers and the inputs are not activations: they are left out of the storages,
@@ -161,18 +162,18 @@ class StepRecorder(TorchDispatchMode):
         if _only_views(func) or func.namespace == "prim":  # views; queries (prim.device)
             return out
         written = {id(t) for t in written_tensors(func, args, kwargs)}
+        tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        results = [v for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
+        inputs = {id(v.untyped_storage()) for v in tensors}
+        if not written and results and all(id(v.untyped_storage()) in inputs for v in results):
+            return out  # a view the schema does not call one (_unsafe_view): no kernel
         accesses: dict[int, AccessKind] = {}
-        inputs: set[int] = set()
         nbytes = 0
         low = False
-        for value in tree_leaves((args, kwargs)):
-            if not isinstance(value, torch.Tensor):
-                continue
+        for value in tensors:
             nbytes += _nbytes(value)
             low = low or value.dtype in _LOW_PRECISION
-            key = id(value.untyped_storage())
-            inputs.add(key)
-            sid = self._sids.get(key)
+            sid = self._sids.get(id(value.untyped_storage()))
             if sid is None:
                 continue
             if id(value) in written:
@@ -183,7 +184,7 @@ class StepRecorder(TorchDispatchMode):
         fresh = True
         for position, value in enumerate(tree_leaves(out)):
             if not isinstance(value, torch.Tensor):
-                continue
+                continue  # positions count every leaf, as a session's replay finds them
             nbytes += _nbytes(value)
             low = low or value.dtype in _LOW_PRECISION
             storage = value.untyped_storage()

@@ -3,7 +3,8 @@
 Builds one subparser per command registered in ``swapopt_core._cli.commands`` (``swapopt
 --help`` lists them all), parses, sets up logging and runs the chosen command's handler. The
 ``demo`` and ``run`` commands are declared here; ``plan`` and ``plot`` in
-``swapopt_core._cli.trace_commands``. The words after ``run`` go to the script untouched.
+``swapopt_core._cli.trace_commands``; ``estimate`` in ``swapopt_core._cli.estimate_command``.
+The words after ``run`` go to the script untouched.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
-from swapopt_core._cli import trace_commands  # noqa: F401  (its import registers plan and plot)
+from swapopt_core._cli import (  # noqa: F401  (their imports register their commands)
+    estimate_command,
+    trace_commands,
+)
 from swapopt_core._cli.commands import COMMANDS, Handler, command, positive_int, user_error
 
 logger = logging.getLogger(__name__)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -10,6 +11,7 @@ from typing import TypeVar
 from swapopt_core._options import (
     NO,
     YES,
+    Invalid,
     Option,
     parse_bool,
     parse_choice,
@@ -107,11 +109,23 @@ class SwapOptimizerConfig(OptionsConfig):
             copy direction, as CUDA streams would (paced by ``SWAPOPT_LOOPBACK_GBPS`` and
             ``SWAPOPT_LOOPBACK_JITTER_US``). Plugins may register more names.
             Default: "auto".
-        prefetch_during_backward: Start copying the first two batches of the next step's
-            state in at the first gradient of each backward (torch), so the step finds
-            them on the device. Costs ``2 / swap_times`` of the state in device memory from
-            then until the step; ``False`` keeps backward's peak as without it.
-            Default: True.
+        prefetch_during_backward: Start copying the first ``prefetch_batches`` batches of
+            the next step's state in at the first gradient of each backward (torch), so the
+            step finds them on the device. Costs ``prefetch_batches / swap_times`` of the
+            swapped state in device memory from then until the step; ``False`` keeps
+            backward's peak as without it. Default: True.
+        resident_state_fraction: Share of the swappable state bytes that stays on the device
+            for good, never copied: the leading parameters in step order (``param_groups``
+            order) whose state fits this share of the total. The step updates them first,
+            while the first swapped batch comes in. ``0.0`` swaps all of it, ``1.0`` none
+            (the state is still taken into account, so the share can change later).
+            Default: 0.0.
+        prefetch_batches: Batches of the next step's swapped state copied in during
+            backward (see ``prefetch_during_backward``). Each costs about
+            ``1 / swap_times`` of the swapped state in device memory from the first gradient
+            until the step; clamped to the number of batches. ``0`` prefetches nothing, and
+            so does ``prefetch_during_backward=False`` whatever this says. The step itself
+            holds at most three batches either way. Default: 2.
 
     Raises:
         TypeError: A field has the wrong type.
@@ -125,6 +139,13 @@ class SwapOptimizerConfig(OptionsConfig):
     packed_swap: bool | None = None
     runtime: str = "auto"
     prefetch_during_backward: bool = True
+    resident_state_fraction: float = 0.0
+    prefetch_batches: int = 2
+
+    @property
+    def effective_prefetch_batches(self) -> int:
+        """Batches prefetched during backward: ``prefetch_batches``, or 0 when switched off."""
+        return self.prefetch_batches if self.prefetch_during_backward else 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.swap_times):
@@ -174,6 +195,29 @@ class SwapOptimizerConfig(OptionsConfig):
             raise TypeError(
                 f"SwapOptimizerConfig.packed_swap must be True, False or None, "
                 f"got {self.packed_swap!r}. None takes the runtime's default."
+            )
+        fraction = self.resident_state_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+            raise TypeError(
+                "SwapOptimizerConfig.resident_state_fraction must be a number in [0, 1], "
+                f"got {fraction!r}. Use 0.0 to swap all state, 1.0 to keep it all resident."
+            )
+        if not (math.isfinite(fraction) and 0.0 <= fraction <= 1.0):
+            raise ValueError(
+                "SwapOptimizerConfig.resident_state_fraction must be in [0, 1], "
+                f"got {fraction!r}. Use 0.0 to swap all state, 1.0 to keep it all resident."
+            )
+        object.__setattr__(self, "resident_state_fraction", float(fraction))
+        if not _is_int(self.prefetch_batches):
+            raise TypeError(
+                "SwapOptimizerConfig.prefetch_batches must be an int, "
+                f"got {self.prefetch_batches!r}. Pass how many batches to copy in during "
+                "backward, e.g. prefetch_batches=2."
+            )
+        if self.prefetch_batches < 0:
+            raise ValueError(
+                f"SwapOptimizerConfig.prefetch_batches must be >= 0, got {self.prefetch_batches}. "
+                "Use 0 to prefetch nothing during backward."
             )
         if not isinstance(self.runtime, str) or not self.runtime.strip():
             raise ValueError(
@@ -229,7 +273,23 @@ def _swap_options(framework: str | None) -> dict[str, Option]:
         ),
         "runtime": runtime,
         "prefetch_during_backward": Option(parse_bool, f"a boolean ({words})"),
+        "resident_state_fraction": Option(_parse_fraction, "a number in [0, 1]"),
+        "prefetch_batches": Option(parse_int(0), "an integer >= 0"),
     }
+
+
+def _parse_fraction(value: object) -> float:
+    """A number in ``[0, 1]``, given as a number or its text."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise Invalid from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise Invalid
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise Invalid
+    return float(value)
 
 
 def _parse_packed(value: object) -> bool | None:

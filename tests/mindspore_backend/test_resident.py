@@ -111,3 +111,23 @@ def test_reconfigure_moves_only_the_changed_share_and_stays_exact(packed):
         assert_same(ref_params, params, ref, opt)
     with pytest.raises(SwapOptError, match=r"changes \['min_numel'\]"):
         engine.reconfigure(config(swap_times=3, packed_swap=packed, min_numel=7))
+
+
+def test_a_device_budget_keeps_resident_what_fits_beside_the_staging():
+    from swapopt_core._mindspore.budget import fit_device_budget
+
+    ref_params, params = make_params(), make_params()
+    ref, opt = FAMILIES["adam"](ref_params), FAMILIES["adam"](params)
+    swap_optimizer(opt, config(swap_times=8))
+    total = sum(UNIT_BYTES)
+    budget = 0.75 * total  # r * S + 3 * (1 - r) * S / 8 = 0.75 S  ->  r = 0.6
+    fraction = fit_device_budget(opt, budget / 2**20)
+    assert fraction == pytest.approx(0.6)
+    check_layout(opt, fraction)
+    for step in range(6):
+        ref(grads_for(step, params))
+        opt(grads_for(step, params))
+    assert_same(ref_params, params, ref, opt)
+    # Below the staging floor (3/8 of the state) the key, the value and the floor are named.
+    with pytest.raises(ValueError, match=r"swap_optimizer.device_budget_mb=0.01 is below the flo"):
+        fit_device_budget(opt, 0.01)

@@ -69,10 +69,11 @@ def fit_device_budget(
         SwapOptError: ``optimizer`` is not swapped by the MindSpore engine.
     """
     from swapopt_core._errors import SwapOptError
+    from swapopt_core._mindspore.engine import MindSporeSwapEngine
     from swapopt_core._swap.engine import engine_of
 
     engine = engine_of(optimizer)
-    if engine is None or not hasattr(engine, "unit_state_bytes"):
+    if not isinstance(engine, MindSporeSwapEngine):
         raise SwapOptError(f"{where}.{BUDGET_KEY} needs an optimizer swapped by swapopt.")
     state = sum(nbytes for _, nbytes in engine.unit_state_bytes())
     config = engine.config

@@ -199,8 +199,8 @@ class MindSporeSwapEngine(EngineBase):
         stale = self.slots.keys() - live
         if stale:
             self.quiesce()  # the last step's copies out may still be writing the host copies
-        for key in stale:
-            slot = self.slots.pop(key)
+        for gone in stale:
+            slot = self.slots.pop(gone)
             if self._ours(slot):  # now resident (or no longer swappable): back on its device
                 slot.state.set_data(self.runtime.to_device(slot.host, slot.device))
         ordered.sort(key=lambda slot: (slot.index, slot.key))

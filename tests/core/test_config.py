@@ -53,9 +53,45 @@ def test_state_keys_are_normalised_to_a_tuple() -> None:
     assert SwapOptimizerConfig(state_keys="exp_avg_sq").state_keys == ("exp_avg_sq",)
 
 
-def test_prefetch_depth_is_not_a_knob() -> None:
-    with pytest.raises(TypeError):
-        SwapOptimizerConfig(prefetch_batches=2)  # type: ignore[call-arg]
+# ---- resident_state_fraction and prefetch_batches (issue 20) ---------------------------------
+
+
+def test_resident_fraction_and_prefetch_defaults() -> None:
+    config = SwapOptimizerConfig()
+    assert config.resident_state_fraction == 0.0 and config.prefetch_batches == 2
+    assert config.effective_prefetch_batches == 2
+    assert SwapOptimizerConfig(resident_state_fraction=1).resident_state_fraction == 1.0
+    off = SwapOptimizerConfig(prefetch_batches=5, prefetch_during_backward=False)
+    assert off.effective_prefetch_batches == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"resident_state_fraction": -0.1}, ValueError, r"resident_state_fraction must be in"),
+        ({"resident_state_fraction": 1.5}, ValueError, r"resident_state_fraction must be in"),
+        ({"resident_state_fraction": float("nan")}, ValueError, r"resident_state_fraction"),
+        ({"resident_state_fraction": "0.5"}, TypeError, r"resident_state_fraction must be a"),
+        ({"resident_state_fraction": True}, TypeError, r"resident_state_fraction must be a"),
+        ({"prefetch_batches": -1}, ValueError, r"prefetch_batches must be >= 0, got -1.*Use 0"),
+        ({"prefetch_batches": 1.0}, TypeError, r"prefetch_batches must be an int, got 1\.0"),
+    ],
+)
+def test_bad_fraction_and_prefetch_are_rejected(kwargs: dict, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=rf"SwapOptimizerConfig\.{pattern}"):
+        SwapOptimizerConfig(**kwargs)
+
+
+def test_fraction_and_prefetch_from_options() -> None:
+    config = SwapOptimizerConfig.from_options(
+        {"resident_state_fraction": " 0.25 ", "prefetch_batches": "3"}
+    )
+    assert (config.resident_state_fraction, config.prefetch_batches) == (0.25, 3)
+    for bad in ("1.5", "half", -1):
+        with pytest.raises(ValueError, match=r"env\.resident_state_fraction=.*\[0, 1\]"):
+            SwapOptimizerConfig.from_options({"resident_state_fraction": bad}, source="env")
+    with pytest.raises(ValueError, match=r"env\.prefetch_batches='-2'.*>= 0"):
+        SwapOptimizerConfig.from_options({"prefetch_batches": "-2"}, source="env")
 
 
 # ---- OffloadConfig: non-finite and absurd sizes (issue 10) ----------------------------------

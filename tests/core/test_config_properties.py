@@ -29,6 +29,8 @@ swap_configs = st.builds(
     include_master_params=st.booleans(),
     packed_swap=st.sampled_from([None, True, False]),
     runtime=st.sampled_from(["auto", "cuda", "loopback"]),
+    resident_state_fraction=st.floats(0.0, 1.0, allow_nan=False),
+    prefetch_batches=st.integers(0, 64),
 )
 
 
@@ -63,6 +65,8 @@ def _swap_text(config: SwapOptimizerConfig) -> dict[str, str]:
         "include_master_params": "TRUE" if config.include_master_params else "n",
         "packed_swap": packed,
         "runtime": config.runtime,
+        "resident_state_fraction": repr(config.resident_state_fraction),
+        "prefetch_batches": str(config.prefetch_batches),
     }
 
 

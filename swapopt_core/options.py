@@ -300,7 +300,8 @@ def auto_enabled(environ: Mapping[str, str]) -> bool:
 def enable_lightning_auto(environ: MutableMapping[str, str] | None = None) -> bool:
     """Add the callback to every Lightning ``Trainer``: set ``SWAPOPT_LIGHTNING_AUTO=1``.
 
-    Done when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``, or when an activation budget is set
+    Done when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` or ``SWAPOPT_DEVICE_BUDGET_MB`` is set
+    (the callback then plans each step under it), or when an activation budget is set
     and the device variable does not say ``none`` (the callback then swaps the optimizer state
     too). A ``SWAPOPT_LIGHTNING_AUTO`` the user set is left as it is and decides. The variable
     is inherited by the processes the script starts (DDP workers).

@@ -221,6 +221,8 @@ def test_trainer_config_with_section() -> None:
                 "packed_swap": None,
                 "runtime": "auto",
                 "prefetch_during_backward": True,
+                "resident_state_fraction": 0.0,
+                "prefetch_batches": 2,
             },
         ]
     }
@@ -317,6 +319,32 @@ def test_callback_handler_installs_on_the_same_optimizer(caplog) -> None:
     stats = json.loads(STATS_LINE.search(caplog.text).group(1))
     assert stats["steps"] == 3 and stats["h2d_bytes"] > 0
     assert stats == json.loads(json.dumps(vars(swap_stats(optimizer)), sort_keys=True))
+
+
+def test_callback_with_a_device_budget_keeps_what_fits_resident_and_stays_exact() -> None:
+    model, optimizer = _tiny()
+    plain_model, plain = _tiny()
+    options = {"runtime": "loopback", "min_numel": 0, "swap_times": 8}
+    probe_model, probe = _tiny()
+    SwapOptimizerCallback(**options).on_train_begin(None, TrainerState(), optimizer=probe)
+    state = swap_stats(probe).total_state_bytes
+    budget_mb = 0.75 * state / 2**20  # r * S + 3 * (1 - r) * S / 8 = 0.75 * S -> r = 0.6
+    callback = SwapOptimizerCallback(**options, device_budget_mb=budget_mb)
+    CallbackHandler(callbacks=[callback], model=model, optimizer=optimizer).on_train_begin(
+        None, TrainerState(max_steps=3)
+    )
+    engine = optimizer._swapopt_engine
+    assert engine.config.resident_state_fraction == pytest.approx(0.6)
+    resident = engine.resident_indices()
+    assert resident and not {slot.index for slot in engine.slots.values()} & resident
+    _train(optimizer, model, 3)
+    _train(plain, plain_model, 3)
+    for a, b in zip(plain.get_parameters(), optimizer.get_parameters(), strict=True):
+        assert a.name == b.name and np.array_equal(a.asnumpy(), b.asnumpy()), a.name
+    with pytest.raises(ValueError, match=r"swap_optimizer.device_budget_mb=0.001 is below the"):
+        SwapOptimizerCallback(**options, device_budget_mb=0.001).on_train_begin(
+            None, TrainerState(), optimizer=plain
+        )
 
 
 def test_callback_refuses_without_optimizer_or_in_graph_mode() -> None:

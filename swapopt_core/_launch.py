@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from swapopt_core._errors import SwapOptWarning
 
 __all__ = [
+    "BUDGET_ENV",
     "DEVICE_ENV",
     "RUN_ENV",
     "note_nothing_to_swap",
@@ -24,6 +25,7 @@ __all__ = [
     "nothing_to_swap_count",
     "offload_session_count",
     "offload_requested",
+    "swap_flag",
     "started_by_cli",
     "swapped_count",
     "warn_without_run",
@@ -33,6 +35,8 @@ __all__ = [
 RUN_ENV = "SWAPOPT_RUN"
 #: The flag that asks for optimizer state in host memory.
 DEVICE_ENV = "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE"
+#: The whole step's device budget: it asks for the swap too (planned under the budget).
+BUDGET_ENV = "SWAPOPT_DEVICE_BUDGET_MB"
 
 _swapped = 0
 _sessions = 0
@@ -78,6 +82,17 @@ def offload_requested(environ: Mapping[str, str]) -> bool:
     return environ.get(DEVICE_ENV, "").strip().lower() == "cpu"
 
 
+def swap_flag(environ: Mapping[str, str]) -> str | None:
+    """The variable that asks for the optimizer swap, as ``NAME=value``, or None: the
+    offload flag at ``cpu``, else a device budget (neither empty nor ``none``)."""
+    if offload_requested(environ):
+        return f"{DEVICE_ENV}={environ[DEVICE_ENV]}"
+    budget = environ.get(BUDGET_ENV, "").strip()
+    if budget and budget.lower() not in ("none", "null"):
+        return f"{BUDGET_ENV}={environ[BUDGET_ENV]}"
+    return None
+
+
 def started_by_cli(argv: Sequence[str]) -> bool:
     """Whether ``argv`` (``sys.orig_argv``) starts the ``swapopt`` command line itself.
 
@@ -100,7 +115,8 @@ def started_by_cli(argv: Sequence[str]) -> bool:
 def warn_without_run(
     environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None
 ) -> bool:
-    """Warn once when the offload flag is set in a process not started by ``swapopt run``.
+    """Warn once when the offload flag (or a device budget) is set in a process not started
+    by ``swapopt run``.
 
     Only the local rank 0 warns, so a launch with many processes prints it once per machine.
 
@@ -110,20 +126,21 @@ def warn_without_run(
     global _warned
     environ = os.environ if environ is None else environ
     argv = getattr(sys, "orig_argv", sys.argv) if argv is None else argv
-    if _warned or not offload_requested(environ) or environ.get(RUN_ENV, "").strip():
+    flag = swap_flag(environ)
+    if _warned or flag is None or environ.get(RUN_ENV, "").strip():
         return False
     if environ.get("LOCAL_RANK", "0") != "0" or started_by_cli(argv):
         return False
     _warned = True
     warnings.warn(
-        f"{DEVICE_ENV}=cpu is set but this process was not started through `swapopt run`, so "
+        f"{flag} is set but this process was not started through `swapopt run`, so "
         "only the optimizers the script hands to swapopt itself (SwapAccelerator, "
         "SwapOptimizerCallback, swap_optimizer, or an integration's install_globally() "
         "called by the script) are swapped; otherwise a plain Accelerator, "
         "transformers.Trainer or Lightning Trainer keeps its state on the device. Run "
         "`swapopt run train.py`, `accelerate launch --no_python swapopt run train.py` or "
         "`torchrun --no-python ... swapopt run train.py` instead (silence this with "
-        f"-W 'ignore:{DEVICE_ENV}').",
+        f"-W 'ignore:{flag.split('=')[0]}').",
         SwapOptWarning,
         stacklevel=2,
     )

@@ -7,7 +7,9 @@ backward of one optimizer step. An integration derives its callback from this cl
 its framework's callback class (``swapopt_plugins.lightning``, ``swapopt_plugins.
 transformers``), or holds one for a loop of your own; it only translates its framework's
 events into these calls and says where the config comes from (``from_environment`` reads
-the ``SWAPOPT_*`` variables). Nothing here computes or imports a training framework.
+the ``SWAPOPT_*`` variables). With a device budget (``device_budget_mb``) the session is
+``OffloadSession(config, optimizer=opt)``: it plans the whole step, the optimizer's update
+after the window included. Nothing here computes or imports a training framework.
 
 Example:
     >>> core = SwapCallbackCore(SwapOptimizerConfig(swap_times=8))
@@ -41,7 +43,7 @@ from swapopt_core import (
     unswap_optimizer,
 )
 from swapopt_core._launch import note_nothing_to_swap, warn_without_run
-from swapopt_core.options import auto_enabled, read_settings
+from swapopt_core.options import auto_enabled, read_settings, with_device_budget
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,10 @@ def deepspeed_offloads(config: Mapping[str, Any] | None) -> list[str]:
     ]
 
 
+def _budget_of(config: OffloadConfig | None) -> float | None:
+    return None if config is None else config.device_budget_mb
+
+
 class SwapCallbackCore:
     """State and decisions of a swapopt training callback, with no framework in them.
 
@@ -117,6 +123,12 @@ class SwapCallbackCore:
         config: How optimizer state is swapped. Default: ``SwapOptimizerConfig()``.
         activation_offload: When given, each optimizer step's forward and backward run
             inside one ``OffloadSession`` with this config. Default: None (no offload).
+        device_budget_mb: The most device memory, in MiB, one training step may hold. Each
+            step's forward and backward run inside ``OffloadSession(config,
+            optimizer=opt)``, which plans the swap of ``opt`` (how much state stays
+            resident, ``swap_times``, the prefetch) and the activations under it; the fit
+            needs exactly one optimizer. Exclusive with an activation budget in
+            ``activation_offload`` (whose runtime and planner it keeps). Default: None.
         auto: Created from the environment rather than by the user (see ``stand_by``).
         owner: How messages name the callback, e.g. ``"SwapOptimizerCallback"``.
 
@@ -131,6 +143,7 @@ class SwapCallbackCore:
 
     Raises:
         TypeError: ``config`` or ``activation_offload`` has the wrong type.
+        ValueError: ``device_budget_mb`` is not a size, or comes with an activation budget.
     """
 
     def __init__(
@@ -138,13 +151,14 @@ class SwapCallbackCore:
         config: SwapOptimizerConfig | None = None,
         *,
         activation_offload: OffloadConfig | None = None,
+        device_budget_mb: float | None = None,
         auto: bool = False,
         owner: str = "SwapOptimizerCallback",
     ) -> None:
         _check_type(owner, "config", config, SwapOptimizerConfig)
         _check_type(owner, "activation_offload", activation_offload, OffloadConfig)
         self.config = SwapOptimizerConfig() if config is None else config
-        self.activation_offload = activation_offload
+        self.activation_offload = with_device_budget(owner, activation_offload, device_budget_mb)
         self.auto = auto
         self.owner = owner
         self.swap_enabled = True
@@ -159,8 +173,9 @@ class SwapCallbackCore:
     def from_environment(cls: type[_C], owner: str, *, auto: bool = True) -> _C:
         """A core configured from the ``SWAPOPT_*`` variables (``options.read_settings``).
 
-        ``swap_enabled`` says whether ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``; the activation
-        config is set when ``SWAPOPT_ACTIVATION_BUDGET_MB`` is.
+        ``swap_enabled`` says whether ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` (or a device
+        budget is set); the activation config is set when ``SWAPOPT_ACTIVATION_BUDGET_MB`` or
+        ``SWAPOPT_DEVICE_BUDGET_MB`` is.
 
         Raises:
             ValueError: A variable holds a value that is not accepted; the message names it.
@@ -241,6 +256,13 @@ class SwapCallbackCore:
         self._automatic, self.rank_zero = automatic, rank_zero
         self._optimizers = list(optimizers)
         self.offload_sessions = {}
+        if self.device_budget_mb is not None and self.active and len(self._optimizers) != 1:
+            raise ValueError(
+                f"{self.owner}(device_budget_mb={self.device_budget_mb:g}) plans one "
+                f"optimizer's step, but this fit has {len(self._optimizers)} optimizers. "
+                "Train with one optimizer, or use activation_offload=OffloadConfig("
+                "max_resident_activation_mb=...) with a swap config instead of the budget."
+            )
         for opt in self._optimizers:
             if is_swap_optimizer(opt):
                 self.say("swapopt: %s is already swapped; keeping it", type(opt).__name__)
@@ -280,6 +302,11 @@ class SwapCallbackCore:
         return not self.active
 
     @property
+    def device_budget_mb(self) -> float | None:
+        """The whole step's device budget in MiB, or None."""
+        return _budget_of(self.activation_offload)
+
+    @property
     def swapped(self) -> list[torch.optim.Optimizer]:
         """The optimizers of this fit that are swapped now (installed here or kept)."""
         return [opt for opt in self._optimizers if is_swap_optimizer(opt)]
@@ -301,7 +328,15 @@ class SwapCallbackCore:
         # opened at a batch start, and in manual optimization the one after each optimizer.
         session = self.offload_sessions.get(self._window_key)
         if session is None:
-            session = OffloadSession(self.activation_offload)
+            if self.device_budget_mb is None:
+                session = OffloadSession(self.activation_offload)
+            elif not self._optimizers:
+                raise ValueError(
+                    f"{self.owner}(device_budget_mb={self.device_budget_mb:g}) found no "
+                    "optimizer to plan the step with (the swap is off, or none was passed)."
+                )
+            else:  # the session plans the whole step: the update after the window too
+                session = OffloadSession(self.activation_offload, optimizer=self._optimizers[0])
             self.offload_sessions[self._window_key] = session
         session.__enter__()
         self._open = session
@@ -329,7 +364,8 @@ class SwapCallbackCore:
     def _after_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # Manual optimization steps inside training_step: the code after this step (the
         # next optimizer's forward and backward) is the next window.
-        if not self._automatic and self._in_batch:
+        # With a device budget the one optimizer's step ends its window: none opens after it.
+        if not self._automatic and self._in_batch and self.device_budget_mb is None:
             index = next((i for i, o in enumerate(self._optimizers) if o is opt), None)
             self._window_key = _BATCH_START if index is None else index
             self._enter()

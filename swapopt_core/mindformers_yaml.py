@@ -8,7 +8,11 @@ The ``swap_optimizer:`` section of a training YAML is ``enable`` plus the fields
 (``SwapOptimizerConfig.from_options`` with ``framework="mindspore"``, which checks ``runtime``
 and ``state_keys`` against the registered MindSpore runtimes and optimizer families), so the
 section and the callback's keyword arguments reject the same values with the same kind of
-message. ``read_command_line`` is the framework-free half of the launcher
+message. ``device_budget_mb`` is the one key beside them: the device bytes the optimizer
+state may hold (resident part plus staging), which ``fit_device_budget`` turns into the
+largest ``resident_state_fraction`` that fits once the optimizer exists (the rule is
+``swapopt_core._mindspore.budget.resident_fraction``). ``read_command_line`` is the
+framework-free half of the launcher
 ``python -m swapopt_plugins.mindformers``: its options, the YAML file, the section turned
 into a callback entry. ``swapopt_plugins.mindformers`` re-exports what users need.
 """
@@ -26,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from swapopt_core import SwapOptimizerConfig
-from swapopt_core._options import NO, YES, Option, parse_bool, read_options
+from swapopt_core._mindspore.budget import BUDGET_KEY, fit_device_budget
+from swapopt_core._options import NO, YES, Option, parse_bool, parse_mib, read_options
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +41,8 @@ __all__ = [
     "SECTION",
     "SwapOptimizerSection",
     "build_trainer_config",
+    "fit_device_budget",
+    "read_callback_options",
     "read_command_line",
     "read_context",
 ]
@@ -48,16 +55,45 @@ GRAPH_HINT = (
 )
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(SwapOptimizerConfig))
-# The section's keys: ``enable`` is read here; the config's fields pass through as given, to
-# be read by SwapOptimizerConfig.from_options.
+_BUDGET = Option(
+    parse_mib(allow_none=True),
+    f"null, or a number of MiB >= 0 (below {2**43}) the optimizer state may hold on the device",
+)
+# The section's keys: ``enable`` and the budget are read here; the config's fields pass
+# through as given, to be read by SwapOptimizerConfig.from_options.
 _KEYS = {
     "enable": Option(parse_bool, f"a boolean ({'/'.join(YES + NO)})"),
+    BUDGET_KEY: _BUDGET,
     **{name: Option(lambda value: value, "") for name in _FIELDS},
 }
 
 
-def _read(values: Mapping[Any, object]) -> tuple[bool, SwapOptimizerConfig]:
-    """``enable`` and the config of a section, each key read once."""
+def read_callback_options(
+    options: Mapping[str, object], *, source: str
+) -> tuple[SwapOptimizerConfig, float | None]:
+    """The config and ``device_budget_mb`` of a callback's keys (a ``callbacks:`` entry).
+
+    Raises:
+        ValueError: An unknown key or a bad value (named as ``source.key``), or both
+            ``device_budget_mb`` and ``resident_state_fraction`` (the budget sets it).
+    """
+    rest = {key: value for key, value in options.items() if key != BUDGET_KEY}
+    budget = read_options(
+        {BUDGET_KEY: _BUDGET}, {BUDGET_KEY: options.get(BUDGET_KEY)}, source=source
+    )
+    mib = budget.get(BUDGET_KEY)
+    if mib is not None and "resident_state_fraction" in rest:
+        raise ValueError(
+            f"{source}.{BUDGET_KEY}={mib:g} and {source}.resident_state_fraction="
+            f"{rest['resident_state_fraction']!r} are both set. Give one: the budget chooses "
+            "the resident share itself."
+        )
+    config = SwapOptimizerConfig.from_options(rest, source=source, framework="mindspore")
+    return config, mib
+
+
+def _read(values: Mapping[Any, object]) -> tuple[bool, SwapOptimizerConfig, float | None]:
+    """``enable``, the config and the device budget of a section, each key read once."""
     if not isinstance(values, Mapping):
         raise ValueError(
             f"{SECTION} must be a mapping of settings, got {values!r}. Write e.g. "
@@ -65,8 +101,8 @@ def _read(values: Mapping[Any, object]) -> tuple[bool, SwapOptimizerConfig]:
         )
     options = read_options(_KEYS, values, source=SECTION)
     enable = options.pop("enable", True)
-    config = SwapOptimizerConfig.from_options(options, source=SECTION, framework="mindspore")
-    return enable, config
+    config, budget = read_callback_options(options, source=SECTION)
+    return enable, config, budget
 
 
 def _plain(config: SwapOptimizerConfig) -> dict[str, Any]:
@@ -89,6 +125,8 @@ class SwapOptimizerSection:
     Attributes:
         enable: Whether the launcher adds the callback.
         config: The swap configuration the section describes.
+        device_budget_mb: Device MiB the optimizer state may hold (resident share plus
+            staging), or None: the callback then keeps resident as much as fits.
 
     Raises:
         ValueError: An unknown key (the message lists the accepted ones) or a value that is
@@ -98,11 +136,14 @@ class SwapOptimizerSection:
 
     enable: bool
     config: SwapOptimizerConfig
+    device_budget_mb: float | None
 
     def __init__(self, enable: object = True, **options: object) -> None:
-        enable, config = _read({"enable": enable, **options})
-        object.__setattr__(self, "enable", enable)
-        object.__setattr__(self, "config", config)
+        self._set(_read({"enable": enable, **options}))
+
+    def _set(self, read: tuple[bool, SwapOptimizerConfig, float | None]) -> None:
+        for name, value in zip(("enable", "config", BUDGET_KEY), read, strict=True):
+            object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
         if name in _FIELDS:  # the config's fields, as keys of the section
@@ -118,14 +159,18 @@ class SwapOptimizerSection:
                 lists the accepted keys) or a value that is not accepted.
         """
         section = object.__new__(cls)
-        enable, config = _read(mapping)
-        object.__setattr__(section, "enable", enable)
-        object.__setattr__(section, "config", config)
+        section._set(_read(mapping))
         return section
+
+    def _budget(self) -> dict[str, Any]:
+        return {} if self.device_budget_mb is None else {BUDGET_KEY: self.device_budget_mb}
 
     def to_yaml(self) -> dict[str, Any]:
         """The section as plain YAML values; ``from_yaml`` reads it back equal."""
-        return {"enable": self.enable, **_plain(self.config)}
+        config = _plain(self.config)
+        if self.device_budget_mb is not None:
+            del config["resident_state_fraction"]  # the budget chooses it
+        return {"enable": self.enable, **config, **self._budget()}
 
     def to_config(self) -> SwapOptimizerConfig:
         """The ``SwapOptimizerConfig`` the section describes (``enable`` aside)."""
@@ -133,7 +178,9 @@ class SwapOptimizerSection:
 
     def callback_entry(self) -> dict[str, Any]:
         """The ``callbacks:`` entry that builds the callback with these settings."""
-        return {"type": CALLBACK_NAME, **_plain(self.config)}
+        entry = {"type": CALLBACK_NAME, **self.to_yaml()}
+        del entry["enable"]
+        return entry
 
 
 def _where(path: tuple[object, ...]) -> str:
@@ -201,11 +248,8 @@ def _check_listed_callbacks(callbacks: object) -> None:
         return
     for index, entry in enumerate(callbacks):
         if isinstance(entry, Mapping) and entry.get("type") == CALLBACK_NAME:
-            SwapOptimizerConfig.from_options(
-                {key: value for key, value in entry.items() if key != "type"},
-                source=f"callbacks[{index}]",
-                framework="mindspore",
-            )
+            options = {key: value for key, value in entry.items() if key != "type"}
+            read_callback_options(options, source=f"callbacks[{index}]")
 
 
 def build_trainer_config(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,13 @@ Settings (field name: environment variable):
 - ``activation_budget_mb``: ``SWAPOPT_ACTIVATION_BUDGET_MB``, MiB >= 0, or ``none``.
 - ``activation_runtime``: ``SWAPOPT_ACTIVATION_RUNTIME``, ``auto`` (where the activations
   live), ``cuda``, ``loopback`` or ``loopback-async``.
+- ``device_budget_mb``: ``SWAPOPT_DEVICE_BUDGET_MB``, MiB >= 0, or ``none``: the most device
+  memory one training step may hold; swapopt plans the optimizer swap and the activation
+  offload under it (``OffloadSession(config, optimizer=opt)``). Exclusive with
+  ``activation_budget_mb``; it turns the optimizer swap on (``offload_optimizer_device``
+  ``none`` beside it is refused).
+- ``resident_state_fraction``: ``SWAPOPT_RESIDENT_STATE_FRACTION``, a number in [0, 1], and
+  ``prefetch_batches``: ``SWAPOPT_PREFETCH_BATCHES``, an integer >= 0 (optimizer swap).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ __all__ = [
     "parse_name_list",
     "read_options",
     "read_settings",
+    "with_device_budget",
 ]
 
 #: Field name -> the environment variable it defaults from.
@@ -72,11 +80,21 @@ ENV_VARS: dict[str, str] = {
     "runtime": "SWAPOPT_RUNTIME",
     "activation_budget_mb": "SWAPOPT_ACTIVATION_BUDGET_MB",
     "activation_runtime": "SWAPOPT_ACTIVATION_RUNTIME",
+    "device_budget_mb": "SWAPOPT_DEVICE_BUDGET_MB",
+    "resident_state_fraction": "SWAPOPT_RESIDENT_STATE_FRACTION",
+    "prefetch_batches": "SWAPOPT_PREFETCH_BATCHES",
 }
 #: Set to a yes word to add the Lightning callback to every Trainer through entry points.
 AUTO_ENV = "SWAPOPT_LIGHTNING_AUTO"
 
-_SWAP_FIELDS = ("swap_times", "min_numel", "packed_swap", "runtime")
+_SWAP_FIELDS = (
+    "swap_times",
+    "min_numel",
+    "packed_swap",
+    "runtime",
+    "resident_state_fraction",
+    "prefetch_batches",
+)
 
 
 def _device(value: object) -> str:
@@ -92,6 +110,10 @@ _OWN = {
         parse_mib(allow_none=True),
         f"a number of MiB >= 0, or 'none' to switch activation offload off (below {2**43})",
     ),
+    "device_budget_mb": Option(
+        parse_mib(allow_none=True),
+        f"a number of MiB >= 0, or 'none' for no whole-step budget (below {2**43})",
+    ),
 }
 
 
@@ -103,7 +125,9 @@ class Settings:
         values: Every field of ``ENV_VARS`` by name, checked and converted (fields neither
             given nor set in the environment hold their defaults).
         swap: The optimizer-swap config.
-        activations: The activation-offload config, or ``None`` when no budget is set.
+        activations: The activation-offload config, or ``None`` when no budget is set; with
+            a device budget it holds ``device_budget_mb`` (the session then plans the whole
+            step with the optimizer, ``OffloadSession(config, optimizer=opt)``).
     """
 
     values: dict[str, Any]
@@ -112,8 +136,14 @@ class Settings:
 
     @property
     def enabled(self) -> bool:
-        """Whether optimizer state goes to host memory (``offload_optimizer_device=cpu``)."""
+        """Whether optimizer state goes to host memory (``offload_optimizer_device=cpu``;
+        a device budget sets it)."""
         return bool(self.values["offload_optimizer_device"] == "cpu")
+
+    @property
+    def device_budget(self) -> bool:
+        """Whether a whole-step device budget is set (``device_budget_mb``)."""
+        return self.values["device_budget_mb"] is not None
 
     @property
     def requested(self) -> bool:
@@ -164,7 +194,16 @@ def read_settings(
         framework="torch",
     )
     budget = own.get("activation_budget_mb")
-    wanted = {"max_resident_activation_mb": budget} if budget is not None else {}
+    device_budget = own.get("device_budget_mb")
+    device = own.get("offload_optimizer_device")
+    if device_budget is not None:
+        _check_device_budget(budget, device, device_budget, labels)
+        device = "cpu"  # the whole-step plan decides how much state moves, maybe none
+    wanted: dict[str, object] = {}
+    if budget is not None:
+        wanted["max_resident_activation_mb"] = budget
+    if device_budget is not None:
+        wanted["device_budget_mb"] = device_budget
     if "activation_runtime" in given:
         wanted["runtime"] = given["activation_runtime"]
     # Checked even without a budget, so a misspelt runtime is reported at once.
@@ -173,15 +212,71 @@ def read_settings(
         source=owner,
         labels={"runtime": labels.get("activation_runtime", f"{owner}.activation_runtime")},
     )
-    activations = checked if budget is not None else None
+    activations = checked if budget is not None or device_budget is not None else None
     values: dict[str, Any] = {
-        "offload_optimizer_device": own.get("offload_optimizer_device", "none"),
+        "offload_optimizer_device": device or "none",
         **{name: getattr(swap, name) for name in _SWAP_FIELDS},
         "activation_budget_mb": budget,
         "activation_runtime": checked.runtime,
+        "device_budget_mb": device_budget,
     }
     logger.debug("swapopt settings for %s: %s", owner, values)
     return Settings(values, swap, activations)
+
+
+def _check_device_budget(
+    budget: object, device: object, device_budget: object, labels: Mapping[str, str]
+) -> None:
+    """Refuse what contradicts a device budget: an activation budget, or no swap."""
+    where = f"{labels['device_budget_mb']}={device_budget:g}"
+    if budget is not None:
+        raise ValueError(
+            f"{labels['activation_budget_mb']}={budget:g} and {where} are both set (MiB). "
+            "Give one: the device "
+            "budget is the whole step's target and plans the activation budget itself; the "
+            "activation budget limits activations alone."
+        )
+    if device == "none":
+        raise ValueError(
+            f"{labels['offload_optimizer_device']}='none' contradicts {where}: a device "
+            "budget plans the optimizer swap (it keeps on the device the state that fits). "
+            "Drop the offload device setting, or the budget."
+        )
+
+
+def with_device_budget(
+    owner: str, activation_offload: OffloadConfig | None, device_budget_mb: object
+) -> OffloadConfig | None:
+    """``activation_offload`` with the whole step's ``device_budget_mb`` set in it.
+
+    Args:
+        owner: How errors name the callback, e.g. ``"SwapOptimizerCallback"``.
+        activation_offload: The config given beside the budget (its runtime and planner are
+            kept); it must not set an activation budget of its own.
+        device_budget_mb: MiB (a number or its text), or None for no device budget.
+
+    Returns:
+        ``activation_offload`` unchanged without a budget; else a config with the budget.
+
+    Raises:
+        ValueError: The budget is not a size, or ``activation_offload`` sets an activation
+            budget (or another device budget) too.
+    """
+    if device_budget_mb is None:
+        return activation_offload
+    base = OffloadConfig() if activation_offload is None else activation_offload
+    if base.max_resident_activation_mb is not None or base.device_budget_mb is not None:
+        given = base.max_resident_activation_mb, base.device_budget_mb
+        raise ValueError(
+            f"{owner} got device_budget_mb={device_budget_mb!r} and activation_offload with "
+            f"(max_resident_activation_mb, device_budget_mb)={given!r}. Give one budget: "
+            "device_budget_mb is the whole step's target and plans the activation budget "
+            "itself; activation_offload=OffloadConfig(max_resident_activation_mb=...) budgets "
+            "activations alone."
+        )
+    return OffloadConfig.from_options(
+        {"device_budget_mb": device_budget_mb}, source=owner, base=base
+    )
 
 
 def auto_enabled(environ: Mapping[str, str]) -> bool:
@@ -205,7 +300,8 @@ def auto_enabled(environ: Mapping[str, str]) -> bool:
 def enable_lightning_auto(environ: MutableMapping[str, str] | None = None) -> bool:
     """Add the callback to every Lightning ``Trainer``: set ``SWAPOPT_LIGHTNING_AUTO=1``.
 
-    Done when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``, or when an activation budget is set
+    Done when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` or ``SWAPOPT_DEVICE_BUDGET_MB`` is set
+    (the callback then plans each step under it), or when an activation budget is set
     and the device variable does not say ``none`` (the callback then swaps the optimizer state
     too). A ``SWAPOPT_LIGHTNING_AUTO`` the user set is left as it is and decides. The variable
     is inherited by the processes the script starts (DDP workers).
@@ -254,6 +350,14 @@ class SwapSettings:
         activation_runtime: Runtime of the activation offload: ``"auto"`` (where the
             activations live), ``"cuda"``, ``"loopback"`` or ``"loopback-async"``. Env
             ``SWAPOPT_ACTIVATION_RUNTIME``; default ``"auto"``.
+        device_budget_mb: The most device memory, in MiB, one training step may hold; the
+            session plans the swap and the activation offload under it (it turns the swap
+            on). Exclusive with ``activation_budget_mb``. Env ``SWAPOPT_DEVICE_BUDGET_MB``;
+            default off.
+        resident_state_fraction: Share of the swappable state kept on the device for good.
+            Env ``SWAPOPT_RESIDENT_STATE_FRACTION``; default 0.0.
+        prefetch_batches: Batches of state copied in during backward. Env
+            ``SWAPOPT_PREFETCH_BATCHES``; default 2.
 
     Raises:
         ValueError: A field or environment variable has an invalid value; the message
@@ -268,6 +372,9 @@ class SwapSettings:
     runtime: str | None = None
     activation_budget_mb: float | str | None = None
     activation_runtime: str | None = None
+    device_budget_mb: float | str | None = None
+    resident_state_fraction: float | str | None = None
+    prefetch_batches: int | str | None = None
 
     def __post_init__(self) -> None:
         for name, value in read_settings(self._fields(), owner=type(self).__name__).values.items():
@@ -290,5 +397,6 @@ class SwapSettings:
         return self._settings().swap
 
     def offload_config(self) -> OffloadConfig | None:
-        """The ``OffloadConfig`` for the activation budget, or ``None`` when it is unset."""
+        """The ``OffloadConfig`` for the activation or device budget, or ``None`` when
+        neither is set."""
         return self._settings().activations

@@ -146,15 +146,29 @@ class SwapState:
         return moved
 
     def offload_session(self, how_to_set: str) -> OffloadSession:
-        """The activation session (created once).
+        """The activation session (created once). With a device budget it is
+        ``OffloadSession(config, optimizer=opt)`` for the one optimizer kept here, and plans
+        the whole step: forward and backward inside it, ``opt.step()`` after it.
 
         Raises:
-            ValueError: No activation budget is set; ``how_to_set`` says how to set one.
+            ValueError: No activation or device budget is set (``how_to_set`` says how to
+                set one), or a device budget is set and not exactly one optimizer was
+                prepared.
         """
         if self.session is None:
             config = self.plugin.offload_config()
             if config is None:
-                message = "No activation budget is set, so there is no offload session."
+                message = "No activation or device budget is set, so there is no offload session."
                 raise ValueError(f"{message} Set {how_to_set}.")
-            self.session = OffloadSession(config)
+            if config.device_budget_mb is None:
+                self.session = OffloadSession(config)
+            elif len(self.optimizers) != 1:
+                raise ValueError(
+                    f"A device budget (device_budget_mb={config.device_budget_mb:g}) plans one "
+                    f"optimizer's step, but {len(self.optimizers)} optimizers were prepared. "
+                    "prepare() exactly one optimizer before asking for the session."
+                )
+            else:
+                optimizer = self.unwrap(self.optimizers[0])
+                self.session = OffloadSession(config, optimizer=optimizer)
         return self.session

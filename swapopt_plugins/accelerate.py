@@ -47,8 +47,10 @@ class SwapOptimizerPlugin(SwapSettings):
 
     The fields, variables and defaults are ``swapopt_core.options.SwapSettings``':
     ``offload_optimizer_device`` (``"cpu"`` swaps prepared optimizers), ``swap_times``,
-    ``min_numel``, ``packed_swap``, ``runtime``, ``activation_budget_mb`` (when set,
-    ``offload_session()`` offers an ``OffloadSession``) and ``activation_runtime``.
+    ``min_numel``, ``packed_swap``, ``runtime``, ``activation_budget_mb`` or
+    ``device_budget_mb`` (when set, ``offload_session()`` offers an ``OffloadSession``; the
+    device budget turns the swap on and plans the whole step), ``activation_runtime``,
+    ``resident_state_fraction`` and ``prefetch_batches``.
 
     Raises:
         ValueError: A field or environment variable has an invalid value; the message
@@ -131,11 +133,16 @@ def load_state(accelerator: Accelerator, *args: Any, **kwargs: Any) -> None:
 def offload_session(accelerator: Accelerator) -> OffloadSession:
     """The accelerator's ``OffloadSession`` (created once), to wrap forward and backward.
 
+    With a device budget (``device_budget_mb`` / ``SWAPOPT_DEVICE_BUDGET_MB``) it plans the
+    whole step of the one prepared optimizer, whose ``step()`` follows the ``with`` block.
+
     Raises:
-        ValueError: No activation budget is set (``activation_budget_mb`` /
-            ``SWAPOPT_ACTIVATION_BUDGET_MB``).
+        ValueError: No budget is set, or a device budget with not one prepared optimizer.
     """
-    how = "SwapOptimizerPlugin(activation_budget_mb=...) or SWAPOPT_ACTIVATION_BUDGET_MB"
+    how = (
+        "SwapOptimizerPlugin(device_budget_mb=...) or SWAPOPT_DEVICE_BUDGET_MB (whole step), "
+        "or activation_budget_mb / SWAPOPT_ACTIVATION_BUDGET_MB (activations alone)"
+    )
     return _state(accelerator).offload_session(how)
 
 

@@ -166,20 +166,27 @@ if _pl is not None:
         restore put on the device back to host memory, and unswaps at teardown or on an
         error. With ``activation_offload`` each optimizer step's forward and backward (a
         whole accumulation window; in manual optimization, up to each ``step()``) run in one
-        ``OffloadSession``.
+        ``OffloadSession``; with ``device_budget_mb`` that session is ``OffloadSession(
+        config, optimizer=opt)`` and plans the whole step under the budget.
 
         Args:
             config: How optimizer state is swapped. Default: ``SwapOptimizerConfig()``.
             activation_offload: Activation budget and runtime. Default: None (no offload).
+            device_budget_mb: The most device memory, in MiB, one training step may hold
+                (one optimizer). Exclusive with an activation budget in
+                ``activation_offload``, whose runtime it keeps. Default: None.
 
         Raises:
             TypeError: An argument has the wrong type.
+            ValueError: ``device_budget_mb`` with an activation budget; at fit start, a
+                device budget with other than one optimizer.
             MisconfigurationException: At setup, for a strategy that manages the same
                 state itself (DeepSpeed, FSDP with ``cpu_offload``).
 
         Example:
             >>> swap = SwapOptimizerCallback(SwapOptimizerConfig(swap_times=8))
             >>> trainer = Trainer(callbacks=[swap])
+            >>> trainer = Trainer(callbacks=[SwapOptimizerCallback(device_budget_mb=40_000)])
         """
 
         _misconfiguration = _pl.utilities.exceptions.MisconfigurationException

@@ -30,6 +30,8 @@ from swapopt_core.mindformers_yaml import (
     GRAPH_HINT,
     SwapOptimizerSection,
     build_trainer_config,
+    fit_device_budget,
+    read_callback_options,
     read_command_line,
     read_context,
 )
@@ -68,6 +70,10 @@ class SwapOptimizerCallback(TrainerCallback):
         include_master_params: Also swap fp32 master weights, where the optimizer keeps them.
         packed_swap: True, False, or None (or ``"auto"``) for the runtime's default.
         runtime: ``"auto"`` or a registered MindSpore runtime (``"ascend"``, ``"loopback"``).
+        device_budget_mb: Device MiB the optimizer state may hold (its resident share plus
+            the staging of the rest; optimizer state only): as much state as fits stays on
+            the device for good (``resident_state_fraction``, chosen at train begin).
+            Exclusive with ``resident_state_fraction``.
 
     Defaults are ``SwapOptimizerConfig``'s. The keys are read by
     ``SwapOptimizerConfig.from_options``, as the ``swap_optimizer:`` section is.
@@ -76,6 +82,7 @@ class SwapOptimizerCallback(TrainerCallback):
         ValueError: At construction, an unknown keyword or a bad value; the message names
             it, shows the value and lists what is accepted.
         SwapOptError: At train begin, without an optimizer or outside PyNative mode.
+        ValueError: At train begin, a ``device_budget_mb`` below the staging floor.
 
     Example:
         >>> Trainer(config=config_dict, callbacks=[SwapOptimizerCallback(swap_times=8)])
@@ -83,9 +90,7 @@ class SwapOptimizerCallback(TrainerCallback):
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
-        self._config = SwapOptimizerConfig.from_options(
-            options, source=type(self).__name__, framework="mindspore"
-        )
+        self._config, self._budget = read_callback_options(options, source=type(self).__name__)
 
     @property
     def config(self) -> SwapOptimizerConfig:
@@ -108,6 +113,8 @@ class SwapOptimizerCallback(TrainerCallback):
             )
         swap_optimizer(optimizer, self._config)
         if is_swap_optimizer(optimizer):
+            if self._budget is not None:  # all state in host memory now: keep what fits
+                fit_device_budget(optimizer, self._budget)
             logger.info("swapopt: %s swapped with %s", type(optimizer).__name__, self._config)
 
     def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:

@@ -64,6 +64,10 @@ class SwapOptimizerCallback(SwapCallbackCore, TrainerCallback):
         activation_offload: When given, the forward and backward of every micro-batch of one
             optimizer step (all gradient-accumulation substeps) run inside one entry of an
             ``OffloadSession`` with this config. Default: None (no offload).
+        device_budget_mb: The most device memory, in MiB, one optimizer step may hold: the
+            session is then ``OffloadSession(config, optimizer=the Trainer's optimizer)`` and
+            plans the swap and the activations under it. Exclusive with an activation budget
+            in ``activation_offload``, whose runtime it keeps. Default: None.
 
     Attributes:
         stats: ``swap_stats`` of each swapped optimizer, taken at the last log or at the end
@@ -71,6 +75,7 @@ class SwapOptimizerCallback(SwapCallbackCore, TrainerCallback):
 
     Raises:
         TypeError: ``config`` or ``activation_offload`` has the wrong type.
+        ValueError: ``device_budget_mb`` is not a size, or comes with an activation budget.
     """
 
     def __init__(
@@ -78,8 +83,11 @@ class SwapOptimizerCallback(SwapCallbackCore, TrainerCallback):
         config: SwapOptimizerConfig | None = None,
         *,
         activation_offload: OffloadConfig | None = None,
+        device_budget_mb: float | None = None,
     ) -> None:
-        super().__init__(config, activation_offload=activation_offload)
+        super().__init__(
+            config, activation_offload=activation_offload, device_budget_mb=device_budget_mb
+        )
         self.stats: list[SwapStats] = []
 
     @property
@@ -180,7 +188,7 @@ def install_globally() -> bool:
 
     It swaps what the Accelerate patch did not swap, re-offloads state a resume restored,
     and opens an activation session per optimizer step when
-    ``SWAPOPT_ACTIVATION_BUDGET_MB`` is set.
+    ``SWAPOPT_ACTIVATION_BUDGET_MB`` or ``SWAPOPT_DEVICE_BUDGET_MB`` is set.
 
     Returns:
         Whether the callback is now added (False when the variables ask for nothing).

@@ -27,11 +27,10 @@ from importlib.machinery import SourceFileLoader, SourcelessFileLoader
 from types import TracebackType
 
 from swapopt_core._launch import (
-    DEVICE_ENV,
     RUN_ENV,
     nothing_to_swap_count,
-    offload_requested,
     offload_session_count,
+    swap_flag,
     swapped_count,
 )
 
@@ -103,7 +102,10 @@ def install_integrations() -> list[str]:
         ValueError: A ``SWAPOPT_*`` variable is invalid (an integration's message names it).
     """
     from swapopt_core._plugins import get_plugin_manager
+    from swapopt_core.options import read_settings
 
+    # Checked here too, so a bad value (or both budgets) stops the run with no framework.
+    read_settings({}, owner="swapopt run")
     os.environ[RUN_ENV] = "1"
     names = get_plugin_manager().hook.swapopt_install_integrations()
     return sorted({name for name in names if name})
@@ -133,16 +135,16 @@ def _exit_status(code: object) -> int:
 def _warn_if_nothing_swapped() -> None:
     """Say once, at exit, that the flags were set but nothing was swapped here.
 
-    With ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``: no optimizer was swapped. With only an
-    activation budget: no optimizer was swapped and no ``OffloadSession`` was created. Quiet
-    when an integration already said that it had no optimizer to swap (a Lightning module
-    whose ``configure_optimizers`` returns None).
+    With ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` or ``SWAPOPT_DEVICE_BUDGET_MB``: no
+    optimizer was swapped. With only an activation budget: no optimizer was swapped and no
+    ``OffloadSession`` was created. Quiet when an integration already said that it had no
+    optimizer to swap (a Lightning module whose ``configure_optimizers`` returns None).
     """
     environ = os.environ
     if not _main_rank() or swapped_count() or nothing_to_swap_count():
         return
-    if offload_requested(environ):
-        asked, what = f"{DEVICE_ENV}={environ[DEVICE_ENV]}", "no optimizer was swapped"
+    if (flag := swap_flag(environ)) is not None:
+        asked, what = flag, "no optimizer was swapped"
     elif environ.get(_BUDGET_ENV, "").strip() and not offload_session_count():
         asked = f"{_BUDGET_ENV}={environ[_BUDGET_ENV]}"
         what = "no optimizer was swapped and no activations were offloaded"

@@ -4,11 +4,13 @@ The Cell keeps its identity: an instance attribute shadows ``construct``, so ``o
 (PyNative) runs the family's preamble once and then its per-parameter update through the
 neutral step transaction (``swapopt_core._swap.engine``) over a ``MindSporeStep``. Between
 steps every swapped state Parameter's data is a CPU tensor, so MindSpore's own
-``save_checkpoint`` writes host copies and nothing is resident on the device.
+``save_checkpoint`` writes host copies and nothing is resident on the device, except the
+state of the leading parameters that ``resident_state_fraction`` keeps there for good.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,11 +27,14 @@ from swapopt_core._mindspore.runtime import MindSporeRuntime
 from swapopt_core._mindspore.state import MindSporeTensorOps, Slot
 from swapopt_core._swap.engine import ENGINE_ATTR, EngineBase
 from swapopt_core._swap.ops import Target
+from swapopt_core._swap.resident import resident_count
 
 logger = logging.getLogger(__name__)
 
 MASTER_KEY = "master_param"
 _FLOATS = ("Float16", "Float32", "Float64", "BFloat16")
+#: The config fields ``reconfigure`` may change; the others fix the engine's layout.
+_RECONFIGURABLE = ("resident_state_fraction", "swap_times", "prefetch_batches")
 
 
 @dataclass(eq=False)
@@ -130,16 +135,60 @@ class MindSporeSwapEngine(EngineBase):
         """Whether the state Parameter still holds our host memory (a load replaces it)."""
         return bool(slot.state.data_ptr() == slot.host.data_ptr())
 
+    def unit_state_bytes(self) -> list[tuple[int, int]]:
+        """``(index, swappable state bytes)`` of each parameter the step updates, in step
+        order (the units ``resident_state_fraction`` is measured against)."""
+        opt, params = self.optimizer, self.optimizer._parameters
+        sizes = dict.fromkeys((i for i in range(len(params)) if self.adapter.steps(opt, i)), 0)
+        for states in self.keyed_states().values():
+            for index, state in enumerate(states):
+                if index in sizes and self._swappable(state, params[index]):
+                    sizes[index] += int(state.size) * int(state.itemsize)
+        return list(sizes.items())
+
+    def resident_indices(self) -> set[int]:
+        """The parameters whose state stays on the device for good: the longest prefix of
+        the step order whose state bytes fit ``resident_state_fraction`` of the total."""
+        if self.config.resident_state_fraction <= 0.0:
+            return set()
+        units = self.unit_state_bytes()
+        count = resident_count([nbytes for _, nbytes in units], self.config.resident_state_fraction)
+        return {index for index, _ in units[:count]}
+
+    def reconfigure(self, config: SwapOptimizerConfig) -> None:
+        """Change the resident share (and ``swap_times``) in place: state that becomes
+        resident is copied onto the device, state that becomes swapped into host memory,
+        one parameter at a time (never all of it on the device).
+
+        Raises:
+            SwapOptError: ``config`` changes a field other than those of ``_RECONFIGURABLE``.
+        """
+        changed = [
+            f.name
+            for f in dataclasses.fields(config)
+            if getattr(config, f.name) != getattr(self.config, f.name)
+            and f.name not in _RECONFIGURABLE
+        ]
+        if changed:
+            raise SwapOptError(
+                f"An installed MindSpore swap can change only {list(_RECONFIGURABLE)}; the new "
+                f"config changes {changed}. Unswap the optimizer and swap it again instead."
+            )
+        self.config = config
+        self.offload()
+
     def offload(self) -> int:
-        """Take every swappable state into host memory; return how many were moved."""
+        """Take every swappable state into host memory (except the resident share); return
+        how many were moved."""
         self.settle()
         params = self.optimizer._parameters
+        resident = self.resident_indices()
         ordered: list[Slot] = []
         moved = 0
         live: set[tuple[str, int]] = set()
         for key, states in self.keyed_states().items():
             for index, state in enumerate(states):
-                if not self._swappable(state, params[index]):
+                if index in resident or not self._swappable(state, params[index]):
                     continue
                 live.add((key, index))
                 slot = self.slots.get((key, index))
@@ -147,8 +196,13 @@ class MindSporeSwapEngine(EngineBase):
                     slot = self._adopt(key, index, state, str(params[index].device), slot)
                     moved += 1
                 ordered.append(slot)
-        for stale in self.slots.keys() - live:
-            del self.slots[stale]
+        stale = self.slots.keys() - live
+        if stale:
+            self.quiesce()  # the last step's copies out may still be writing the host copies
+        for gone in stale:
+            slot = self.slots.pop(gone)
+            if self._ours(slot):  # now resident (or no longer swappable): back on its device
+                slot.state.set_data(self.runtime.to_device(slot.host, slot.device))
         ordered.sort(key=lambda slot: (slot.index, slot.key))
         self.lay_out(ordered)
         return moved

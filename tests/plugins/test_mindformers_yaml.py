@@ -114,3 +114,71 @@ def test_a_listed_callback_entry_is_read_before_the_trainer_builds_it(
 def test_a_good_listed_callback_entry_passes_unchanged() -> None:
     text = "callbacks: [{type: SwapOptimizerCallback, swap_times: '8', runtime: loopback}]"
     assert _build(text) == yaml.safe_load(text)
+
+
+# ---- device_budget_mb (optimizer state only) --------------------------------------------------
+
+
+def test_the_section_reads_a_device_budget_and_carries_it_to_the_callback() -> None:
+    from swapopt_core.mindformers_yaml import SwapOptimizerSection
+
+    section = SwapOptimizerSection.from_yaml({"device_budget_mb": "12.5", "swap_times": 8})
+    assert section.device_budget_mb == 12.5 and SwapOptimizerSection().device_budget_mb is None
+    assert SwapOptimizerSection.from_yaml(section.to_yaml()) == section
+    (entry,) = _build("swap_optimizer: {device_budget_mb: 12.5, swap_times: 8}")["callbacks"]
+    assert entry["device_budget_mb"] == 12.5 and "resident_state_fraction" not in entry
+    # A listed entry with a budget is read the same way (and passes unchanged).
+    text = "callbacks: [{type: SwapOptimizerCallback, device_budget_mb: 4}]"
+    assert _build(text) == yaml.safe_load(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("swap_optimizer: {device_budget_mb: lots}", "swap_optimizer.device_budget_mb='lots'"),
+        ("swap_optimizer: {device_budget_mb: -1}", "swap_optimizer.device_budget_mb=-1 is inv"),
+        (
+            "swap_optimizer: {device_budget_mb: 8, resident_state_fraction: 0.5}",
+            "swap_optimizer.device_budget_mb=8 and swap_optimizer.resident_state_fraction=0.5",
+        ),
+        (
+            "callbacks: [{type: SwapOptimizerCallback, device_budget_mb: x}]",
+            "callbacks[0].device_budget_mb='x' is invalid",
+        ),
+    ],
+)
+def test_a_bad_device_budget_is_named(text: str, words: str) -> None:
+    with pytest.raises(ValueError) as info:
+        _build(text)
+    assert words in str(info.value)
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("budget_mib", "swap_times", "want"),
+    [(100, 8, 1.0), (400, 8, 1.0), (50, 8, 0.2), (37.5, 8, 0.0), (70, 16, 51.25 / 81.25)],
+)
+def test_resident_fraction_fills_the_budget_with_resident_state_and_staging(
+    budget_mib: float, swap_times: int, want: float
+) -> None:
+    from swapopt_core._mindspore.budget import resident_fraction
+
+    state = 100 * MIB
+    r = resident_fraction(budget_mib, state, swap_times)
+    assert r == pytest.approx(want)
+    # The rule of the docs: resident share plus the staging of the rest fits the budget.
+    if r < 1.0:
+        assert r * state + 3 * (1 - r) * state / swap_times == pytest.approx(budget_mib * MIB)
+
+
+@pytest.mark.parametrize(("budget_mib", "swap_times", "floor"), [(30, 8, "37.500"), (99, 2, "100")])
+def test_a_budget_below_the_floor_names_key_value_and_floor(budget_mib, swap_times, floor) -> None:
+    from swapopt_core._mindspore.budget import resident_fraction
+
+    with pytest.raises(ValueError) as info:
+        resident_fraction(budget_mib, 100 * MIB, swap_times)
+    message = str(info.value)
+    assert message.startswith(f"swap_optimizer.device_budget_mb={budget_mib} is below the floor")
+    assert f"floor of {floor}" in message and f"swap_times={swap_times}" in message

@@ -49,6 +49,9 @@ BAD_VALUES = {
     ),
     "SWAPOPT_ACTIVATION_BUDGET_MB": ("lots", "a number of MiB >= 0, or 'none'"),
     "SWAPOPT_ACTIVATION_RUNTIME": ("tpu", "one of ['auto', 'cuda', 'loopback', 'loopback-async']"),
+    "SWAPOPT_DEVICE_BUDGET_MB": ("lots", "a number of MiB >= 0, or 'none' for no whole-step"),
+    "SWAPOPT_RESIDENT_STATE_FRACTION": ("1.5", "a number in [0, 1]"),
+    "SWAPOPT_PREFETCH_BATCHES": ("-1", "an integer >= 0"),
 }
 
 
@@ -81,8 +84,11 @@ def test_defaults_without_variables() -> None:
         "min_numel": 1024,
         "packed_swap": None,
         "runtime": "auto",
+        "resident_state_fraction": 0.0,
+        "prefetch_batches": 2,
         "activation_budget_mb": None,
         "activation_runtime": "auto",
+        "device_budget_mb": None,
     }
 
 
@@ -293,3 +299,75 @@ def test_activation_budget_variable_refuses_sizes_beyond_int64_bytes(value: str)
     # Before issue 10, 1e308 was accepted and the session failed later with OverflowError.
     with pytest.raises(ValueError, match=rf"SWAPOPT_ACTIVATION_BUDGET_MB='{value}' is invalid"):
         _read({"SWAPOPT_ACTIVATION_BUDGET_MB": value})
+
+
+# ---- SWAPOPT_DEVICE_BUDGET_MB ----------------------------------------------------------------
+
+
+def test_device_budget_variable_turns_the_swap_on_and_plans_the_step() -> None:
+    settings = _read({"SWAPOPT_DEVICE_BUDGET_MB": "96", "SWAPOPT_ACTIVATION_RUNTIME": "loopback"})
+    assert settings.enabled and settings.requested and settings.device_budget
+    assert settings.values["offload_optimizer_device"] == "cpu"
+    assert settings.activations == OffloadConfig(device_budget_mb=96, runtime="loopback")
+    assert settings.activations.max_resident_activation_mb is None
+    # The same through the Accelerate plugin's dataclass, explicit and from the variable.
+    plugin = SwapOptimizerPlugin(device_budget_mb="64")
+    assert plugin.enabled and plugin.offload_config() == OffloadConfig(device_budget_mb=64)
+    for off in ("", "none"):
+        assert not _read({"SWAPOPT_DEVICE_BUDGET_MB": off}).device_budget
+
+
+def test_device_budget_and_activation_budget_are_exclusive() -> None:
+    both = {"SWAPOPT_DEVICE_BUDGET_MB": "96", "SWAPOPT_ACTIVATION_BUDGET_MB": "8"}
+    with pytest.raises(ValueError) as info:
+        _read(both)
+    message = str(info.value)
+    assert "environment variable SWAPOPT_ACTIVATION_BUDGET_MB=8" in message
+    assert "environment variable SWAPOPT_DEVICE_BUDGET_MB=96" in message
+    assert "Give one" in message
+    with pytest.raises(ValueError, match=r"Owner.activation_budget_mb=2 and environment var"):
+        _read({"SWAPOPT_DEVICE_BUDGET_MB": "96"}, activation_budget_mb=2)
+
+
+def test_device_budget_refuses_an_offload_device_of_none() -> None:
+    with pytest.raises(ValueError, match=r"^Owner.offload_optimizer_device='none' contradicts"):
+        _read({"SWAPOPT_DEVICE_BUDGET_MB": "96"}, offload_optimizer_device="none")
+    assert _read({"SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "SWAPOPT_DEVICE_BUDGET_MB": "1"})
+
+
+def test_swap_fraction_and_prefetch_variables_reach_the_swap_config() -> None:
+    environ = {"SWAPOPT_RESIDENT_STATE_FRACTION": "0.25", "SWAPOPT_PREFETCH_BATCHES": "1"}
+    swap = _read(environ).swap
+    assert (swap.resident_state_fraction, swap.prefetch_batches) == (0.25, 1)
+
+
+def test_callback_core_takes_a_device_budget_beside_a_runtime_only() -> None:
+    from swapopt_core.callbacks import SwapCallbackCore
+
+    core = SwapCallbackCore(
+        activation_offload=OffloadConfig(runtime="loopback"), device_budget_mb="48"
+    )
+    assert core.activation_offload == OffloadConfig(device_budget_mb=48, runtime="loopback")
+    assert core.device_budget_mb == 48 and SwapCallbackCore().device_budget_mb is None
+    with pytest.raises(ValueError, match=r"^Cb got device_budget_mb=48 and activation_offload"):
+        SwapCallbackCore(
+            activation_offload=OffloadConfig(max_resident_activation_mb=4),
+            device_budget_mb=48,
+            owner="Cb",
+        )
+    with pytest.raises(ValueError, match=r"^Cb.device_budget_mb='big' is invalid"):
+        SwapCallbackCore(device_budget_mb="big", owner="Cb")
+
+
+def test_callback_core_with_a_device_budget_needs_one_optimizer() -> None:
+    import torch
+
+    from swapopt_core.callbacks import SwapCallbackCore
+
+    core = SwapCallbackCore(device_budget_mb=48, owner="Cb")
+    core.swap_enabled = False  # the count is checked before anything is swapped
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    two = [torch.optim.SGD(params, lr=0.1), torch.optim.SGD(params, lr=0.1)]
+    for optimizers in ([], two):
+        with pytest.raises(ValueError, match=rf"this fit has {len(optimizers)} optimizers"):
+            core.install(optimizers)

@@ -1,0 +1,256 @@
+"""One device budget through every way in: Lightning, Transformers, Accelerate, ``swapopt run``
+and the examples of ``docs/device_budget.md``, on CPU with the loopback runtimes.
+
+The runs under a budget need ``OffloadSession(config, optimizer=opt)``, which plans the whole
+step; until the session takes an optimizer they are skipped. The settings' rules (exclusive
+budgets, one optimizer, the variable reaching each integration) are checked either way.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lightning")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import _lightning_models as M  # noqa: E402
+import _transformers_tiny as tiny  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+from swapopt_core import (  # noqa: E402
+    OffloadConfig,
+    OffloadSession,
+    SwapOptimizerConfig,
+    is_swap_optimizer,
+)
+from swapopt_core.options import ENV_VARS  # noqa: E402
+from swapopt_plugins import transformers as swap_transformers  # noqa: E402
+from swapopt_plugins.accelerate import SwapAccelerator, SwapOptimizerPlugin  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "device_budget.md"
+BUDGET_MB = 64
+ACTIVATION_RUNTIME = OffloadConfig(runtime="loopback", min_offload_kib=0)
+LOOPBACK = SwapOptimizerConfig(runtime="loopback", min_numel=0, swap_times=3)
+
+pytestmark = pytest.mark.filterwarnings("ignore:SWAPOPT_DEVICE_BUDGET_MB")
+
+# TODO(merge): drop once OffloadSession(config, optimizer=opt) is on main.
+needs_session = pytest.mark.skipif(
+    "optimizer" not in inspect.signature(OffloadSession.__init__).parameters,
+    reason="OffloadSession(config, optimizer=opt) has not landed yet",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch: pytest.MonkeyPatch):
+    """No SWAPOPT_* from the caller's shell, and fresh Accelerate singletons around each test."""
+    for name in ENV_VARS.values():
+        monkeypatch.delenv(name, raising=False)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(x, y), f"parameter {name} differs"
+
+
+def assert_within_budget(sessions) -> None:
+    for session in sessions:
+        stats = session.stats()
+        assert 0 < stats.step_peak_device_bytes <= BUDGET_MB * 2**20
+
+
+# ---- the settings, checked without the planner ------------------------------------------------
+
+
+def test_lightning_budget_beside_an_activation_budget_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"device_budget_mb=64 and activation_offload"):
+        M.PL.callback(
+            LOOPBACK,
+            activation_offload=OffloadConfig(max_resident_activation_mb=1),
+            device_budget_mb=BUDGET_MB,
+        )
+    callback = M.LP.callback(LOOPBACK, activation_offload=ACTIVATION_RUNTIME, device_budget_mb=64)
+    assert callback.activation_offload == OffloadConfig(
+        device_budget_mb=64, runtime="loopback", min_offload_kib=0
+    )
+
+
+def test_lightning_budget_with_two_optimizers_is_refused_and_unswaps(tmp_path) -> None:
+    package = M.PL
+    callback = package.callback(LOOPBACK, device_budget_mb=BUDGET_MB)
+    with pytest.raises(ValueError, match=r"plans one optimizer's step, but this fit has 2"):
+        M.fit(tmp_path, [callback], make=package.two_optimizer_net, package=package)
+    assert not callback.swapped
+
+
+def test_transformers_callback_reads_the_budget_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("SWAPOPT_DEVICE_BUDGET_MB", "64")
+    monkeypatch.setenv("SWAPOPT_ACTIVATION_RUNTIME", "loopback")
+    callback = swap_transformers._EnvSwapOptimizerCallback()
+    assert callback.swap_enabled and callback.device_budget_mb == 64
+    assert callback.activation_offload == OffloadConfig(device_budget_mb=64, runtime="loopback")
+    with pytest.raises(ValueError, match=r"device_budget_mb=64 and activation_offload"):
+        swap_transformers.SwapOptimizerCallback(
+            activation_offload=OffloadConfig(max_resident_activation_mb=1), device_budget_mb=64
+        )
+
+
+def test_accelerate_budget_from_the_environment_swaps_at_prepare(monkeypatch) -> None:
+    monkeypatch.setenv("SWAPOPT_DEVICE_BUDGET_MB", "64")
+    monkeypatch.setenv("SWAPOPT_RUNTIME", "loopback")
+    accelerator = SwapAccelerator(cpu=True)
+    assert accelerator.swap_plugin.enabled and accelerator.swap_plugin.device_budget_mb == 64
+    model = torch.nn.Linear(64, 64)
+    one = torch.optim.AdamW(model.parameters())
+    two = torch.optim.AdamW(model.parameters())
+    _, one, two = accelerator.prepare(model, one, two)
+    assert is_swap_optimizer(one.optimizer) and is_swap_optimizer(two.optimizer)
+    with pytest.raises(ValueError, match=r"plans one optimizer's step, but 2 optimizers"):
+        accelerator.offload_session()
+    accelerator.free_memory()
+
+
+def test_accelerate_plugin_refuses_both_budgets() -> None:
+    with pytest.raises(ValueError, match=r"SwapOptimizerPlugin.activation_budget_mb=2 and Swap"):
+        SwapOptimizerPlugin(activation_budget_mb=2, device_budget_mb=64)
+
+
+def _script(tmp_path: Path) -> Path:
+    (block,) = [b for b in _blocks("python") if b.startswith("# train.py")]
+    path = tmp_path / "train.py"
+    path.write_text(block)
+    return path
+
+
+def _swapopt_run(tmp_path: Path, **variables: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS.values()}
+    env.update(variables, PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, "-m", "swapopt_core", "run", str(_script(tmp_path))],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_swapopt_run_refuses_both_budgets_before_the_script_starts(tmp_path) -> None:
+    done = _swapopt_run(tmp_path, SWAPOPT_DEVICE_BUDGET_MB="64", SWAPOPT_ACTIVATION_BUDGET_MB="8")
+    assert done.returncode == 2, done.stderr
+    assert "SWAPOPT_ACTIVATION_BUDGET_MB=8" in done.stderr
+    assert "SWAPOPT_DEVICE_BUDGET_MB=64" in done.stderr
+
+
+# ---- training under the budget ----------------------------------------------------------------
+
+
+@needs_session
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_under_a_budget_equals_plain(tmp_path, accumulate) -> None:
+    package = M.PL
+    options = {"accumulate_grad_batches": accumulate, "max_steps": 5, "package": package}
+    plain = M.fit(tmp_path / "plain", **options)
+    callback = package.callback(
+        LOOPBACK, activation_offload=ACTIVATION_RUNTIME, device_budget_mb=BUDGET_MB
+    )
+    swapped = M.fit(tmp_path / "swap", [callback], **options)
+    assert_same(plain, swapped)
+    assert callback.offload_sessions and not callback.swapped  # unswapped at teardown
+    assert_within_budget(callback.offload_sessions.values())
+
+
+@needs_session
+def test_transformers_under_a_budget_equals_plain(tmp_path) -> None:
+    plain = tiny.trainer(tmp_path / "plain")
+    plain.train()
+    callback = swap_transformers.SwapOptimizerCallback(
+        LOOPBACK, activation_offload=ACTIVATION_RUNTIME, device_budget_mb=BUDGET_MB
+    )
+    swapped = tiny.trainer(tmp_path / "swap", [callback])
+    swapped.train()
+    assert_same(plain.model, swapped.model)
+    assert_within_budget([callback.offload_session])
+
+
+@needs_session
+def test_accelerate_under_a_budget_equals_plain() -> None:
+    def train(accelerator) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 1)
+        )
+        model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        session = (
+            accelerator.offload_session() if isinstance(accelerator, SwapAccelerator) else None
+        )
+        for step in range(4):
+            torch.manual_seed(100 + step)
+            x, y = torch.randn(16, 32), torch.randn(16, 1)
+            if session is None:
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            else:
+                with session:
+                    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        if session is not None:
+            assert_within_budget([session])
+        return model
+
+    from accelerate import Accelerator
+
+    plain = train(Accelerator(cpu=True))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    plugin = SwapOptimizerPlugin(
+        device_budget_mb=BUDGET_MB, runtime="loopback", min_numel=0, activation_runtime="loopback"
+    )
+    assert_same(plain, train(SwapAccelerator(cpu=True, swap_plugin=plugin)))
+
+
+@needs_session
+def test_swapopt_run_trains_an_unchanged_script_under_the_budget(tmp_path) -> None:
+    (line,) = [b for b in _blocks("bash") if "swapopt run train.py" in b]
+    variables = dict(re.findall(r"(SWAPOPT_\w+)=(\S+)", line))
+    assert variables["SWAPOPT_DEVICE_BUDGET_MB"] == str(BUDGET_MB)
+    done = _swapopt_run(tmp_path, **variables)
+    assert done.returncode == 0, done.stderr
+    assert "integrations on: " in done.stderr and "lightning" in done.stderr
+    assert "no optimizer was swapped" not in done.stderr
+
+
+# ---- the docs ---------------------------------------------------------------------------------
+
+
+def _blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+def test_docs_open_with_the_users_sentence() -> None:
+    first = DOC.read_text().split("\n\n")[1]
+    assert first.startswith("Say how much memory the step may use")
+
+
+@needs_session
+def test_docs_examples_run(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks("python")
+    assert len(blocks) == 5
+    for block in blocks:
+        exec(compile(block, str(DOC), "exec"), {"__name__": "__docs__"})

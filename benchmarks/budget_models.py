@@ -30,9 +30,10 @@ class Size:
     llama: dict[str, int]
 
 
-#: ``default``: small enough that a step whose optimizer state all crosses the emulated link
-#: takes seconds here (see ``device_budget.py``); ``issue``: the issue's ~30 M GPT;
-#: ``quick``: the smoke test's.
+#: ``default``: small enough that the whole benchmark runs in about ten minutes on two cores
+#: at the H200's link/compute ratio (about 3 MB/s here; see ``device_budget.py``);
+#: ``medium``: about 1 M parameters (the ResNet 0.2 M), an hour or more; ``issue``: the
+#: issue's ~30 M GPT (a fully swapped step alone takes minutes); ``quick``: the smoke test's.
 SIZES = {
     "quick": Size(
         gpt={"vocab": 256, "width": 64, "layers": 2, "seq": 32, "batch": 2},
@@ -40,6 +41,11 @@ SIZES = {
         llama={"vocab": 256, "width": 64, "layers": 2, "seq": 32, "batch": 2},
     ),
     "default": Size(
+        gpt={"vocab": 512, "width": 64, "layers": 4, "seq": 64, "batch": 4},
+        resnet={"width": 8, "image": 32, "batch": 8},
+        llama={"vocab": 512, "width": 64, "layers": 4, "seq": 64, "batch": 4},
+    ),
+    "medium": Size(
         gpt={"vocab": 1024, "width": 128, "layers": 4, "seq": 128, "batch": 8},
         resnet={"width": 16, "image": 32, "batch": 32},
         llama={"vocab": 1024, "width": 128, "layers": 4, "seq": 128, "batch": 8},

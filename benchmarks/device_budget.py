@@ -61,311 +61,43 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import itertools
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from budget_models import Workload, workload  # noqa: E402
+from budget_report import jsonable, render  # noqa: E402
+from budget_steps import (  # noqa: E402
+    MIB,
+    RUNTIME,
+    Features,
+    Pacer,
+    detect,
+    import_swapopt,
+    matmul_gflops,
+    measure_plain,
+    run_estimate,
+    run_variant,
+    shared_runtime,
+)
 
-MIB = 2**20
-ROOT = Path(__file__).resolve().parents[1]
 #: H200 SXM: dense bf16 tensor-core peak (TFLOP/s) and PCIe Gen5 x16 achieved per direction.
 H200_TFLOPS, H200_LINK_GBPS = 989.0, 55.0
 TARGETS = (1.0, 0.7, 0.5, 0.35)
-RUNTIME = "loopback-async"
-
-
-def _import(name: str) -> ModuleType:
-    """Import a swapopt module, falling back to the checkout this script lives in."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        sys.path.insert(0, str(ROOT))
-        return importlib.import_module(name)
-
-
-# --------------------------------------------------------------------------- machine
-
-
-def matmul_gflops(n: int = 1024, repeats: int = 7) -> float:
-    """This CPU's fp32 matmul rate at the current torch thread count (median of ``repeats``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # the first call pays allocation and thread start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times) / 1e9
-
-
-@dataclasses.dataclass(frozen=True)
-class Features:
-    """Which parts of the issue's API this checkout has (the rest is reported as missing)."""
-
-    budget: bool  # OffloadSession(config, optimizer=opt) with device_budget_mb
-    engine: bool  # SwapOptimizerConfig.prefetch_batches and resident_state_fraction
-    meter: bool  # runtime.step_meter()
-    estimate: bool  # python -m swapopt_core estimate
-
-
-def detect(swapopt: ModuleType) -> Features:
-    import inspect
-
-    config_fields = {f.name for f in dataclasses.fields(swapopt.SwapOptimizerConfig)}
-    session_args = inspect.signature(swapopt.OffloadSession).parameters
-    offload_fields = {f.name for f in dataclasses.fields(swapopt.OffloadConfig)}
-    runtime = _runtime()
-    estimate = subprocess.run(
-        [sys.executable, "-m", "swapopt_core", "estimate", "--help"],
-        capture_output=True,
-        cwd=ROOT,
-        env=_child_env(),
-        timeout=120,
-    )
-    return Features(
-        budget="optimizer" in session_args and "device_budget_mb" in offload_fields,
-        engine={"prefetch_batches", "resident_state_fraction"} <= config_fields,
-        meter=callable(getattr(runtime, "step_meter", None)),
-        estimate=estimate.returncode == 0,
-    )
-
-
-def _runtime() -> Any:
-    """The shared ``loopback-async`` runtime instance (the one the swap and session use)."""
-    registry = _import("swapopt_core._device.registry")
-    return registry.choose_runtime(RUNTIME, torch.device("cpu"))
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(ROOT), str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    return env
-
-
-# --------------------------------------------------------------------------- steps
-
-
-def _step(work: Workload, model: nn.Module, opt: torch.optim.Optimizer, session: Any) -> None:
-    """One training step: forward and backward (inside ``session`` if any), update, zero."""
-    if session is None:
-        work.loss(model, work.inputs).backward()
-    else:
-        with session:
-            work.loss(model, work.inputs).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
-
-
-def _held(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """What a step holds on the device at its start: parameters, gradients, state."""
-    held = [p for p in model.parameters()] + [
-        p.grad for p in model.parameters() if p.grad is not None
-    ]
-    for state in opt.state.values():
-        held += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return held
-
-
-class Pacer:
-    """A plain model stepped right before each timed step of a variant: the pair sees the
-    same machine load, and the variant's figure is its time over its plain twin's."""
-
-    def __init__(self, work: Workload) -> None:
-        self.work = work
-        self.model = work.build()
-        self.opt = _optimizer(self.model)
-        self.times: list[float] = []
-        _step(work, self.model, self.opt, None)
-
-    def step(self) -> float:
-        start = time.perf_counter()
-        _step(self.work, self.model, self.opt, None)
-        self.times.append(time.perf_counter() - start)
-        return self.times[-1]
-
-
-def _moved(swapopt: ModuleType, opt: torch.optim.Optimizer, session: Any) -> int:
-    """Bytes copied so far by the swap of ``opt`` and by ``session``, both directions."""
-    total = 0
-    if session is not None:
-        stats = session.stats()
-        total += getattr(stats, "d2h_bytes", 0) + getattr(stats, "h2d_bytes", 0)
-    if swapopt.is_swap_optimizer(opt):
-        stats = swapopt.swap_stats(opt)
-        total += stats.d2h_bytes + stats.h2d_bytes
-    return int(total)
-
-
-def run_variant(
-    swapopt: ModuleType,
-    work: Workload,
-    setup: Callable[[nn.Module, torch.optim.Optimizer], Any],
-    steps: tuple[int, int],
-    pacer: Pacer,
-    reference: list[torch.Tensor],
-    meter: Any = None,
-) -> dict[str, Any]:
-    """``steps[0]`` untimed then ``steps[1]`` timed steps of a fresh model after ``setup``.
-
-    Returns:
-        ``ratios`` (each timed step over its plain twin), ``step_ms`` (median), ``moved``
-        (bytes copied in the timed steps), ``identical`` (parameters against plain's),
-        ``meter_peak`` (with ``meter``: the highest step's peak), ``session`` and
-        ``optimizer``; or ``error`` when the variant failed.
-    """
-    model = work.build()
-    opt = _optimizer(model)
-    result: dict[str, Any] = {"ratios": [], "times": [], "meter_peak": None}
-    try:
-        session = setup(model, opt)
-        for index in range(steps[0] + steps[1]):
-            timed = index >= steps[0]
-            if timed and index == steps[0]:
-                moved_before = _moved(swapopt, opt, session)
-            plain_s = pacer.step() if timed else 0.0
-            if meter is not None:
-                meter.begin(_held(model, opt))
-            start = time.perf_counter()
-            _step(work, model, opt, session)
-            elapsed = time.perf_counter() - start
-            if meter is not None:
-                peak = int(meter.end())
-                result["meter_peak"] = max(peak, result["meter_peak"] or 0)
-            if timed:
-                result["times"].append(elapsed)
-                result["ratios"].append(elapsed / plain_s)
-        result["moved"] = _moved(swapopt, opt, session) - moved_before if steps[1] else 0
-    except Exception as error:  # reported in the table: one failed cell must not end the run
-        result["error"] = f"{type(error).__name__}: {error}"
-        floor = getattr(error, "floor_bytes", None)
-        if floor is not None:
-            result["floor_bytes"] = int(floor)
-        return result
-    result["step_ms"] = statistics.median(result["times"]) * 1e3
-    result["ratio"] = statistics.median(result["ratios"])
-    params = [p.detach() for p in model.parameters()]
-    result["identical"] = all(torch.equal(a, b) for a, b in zip(reference, params, strict=True))
-    result["session"], result["optimizer"] = session, opt
-    return result
-
-
-# --------------------------------------------------------------------------- plain
-
-
-def census_peak(work: Workload, model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """The whole step's peak of CPU bytes by ``MemTracker`` (parameters, gradients, state,
-    activations, temporaries), with the model and optimizer registered before it starts."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(model, opt)
-    with tracker:
-        _step(work, model, opt, None)
-    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
-
-
-def natural_activation_peak(swapopt: ModuleType, work: Workload, model: nn.Module) -> int:
-    """The most activation bytes resident at once in forward and backward, no budget."""
-    config = swapopt.OffloadConfig(max_resident_activation_mb=1 << 20, runtime="loopback")
-    session = swapopt.OffloadSession(config)
-    with session:
-        work.loss(model, work.inputs).backward()
-    model.zero_grad(set_to_none=True)
-    return int(session.stats().peak_resident_activation_bytes)
-
-
-def measure_plain(
-    swapopt: ModuleType, work: Workload, steps: tuple[int, int], features: Features
-) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Plain training's time, peaks and final parameters (the reference of every variant)."""
-    model = work.build()
-    opt = _optimizer(model)
-    times = []
-    for index in range(steps[0] + steps[1]):
-        start = time.perf_counter()
-        _step(work, model, opt, None)
-        if index >= steps[0]:
-            times.append(time.perf_counter() - start)
-    reference = [p.detach().clone() for p in model.parameters()]
-    plain: dict[str, Any] = {
-        "params": sum(p.numel() for p in model.parameters()),
-        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "step_ms": statistics.median(times) * 1e3 if times else None,
-        "census_peak": census_peak(work, model, opt),
-        "meter_peak": None,
-    }
-    if features.meter:
-        runtime = _runtime()
-        meter = runtime.step_meter()
-        meter.begin(_held(model, opt))
-        _step(work, model, opt, None)
-        plain["meter_peak"] = int(meter.end())
-    plain["peak"] = plain["meter_peak"] or plain["census_peak"]
-    plain["peak_source"] = "meter" if plain["meter_peak"] else "census"
-    plain["activation_peak"] = natural_activation_peak(swapopt, work, model)
-    return plain, reference
-
-
-# --------------------------------------------------------------------------- estimate
-
-
-def run_estimate(work: Workload, size: str) -> dict[str, Any]:
-    """``swapopt estimate`` of the plain step (``--device cpu``), in a subprocess."""
-    factory = f"budget_models:estimate_{work.name}"
-    batch, seq = work.inputs[0].shape[0], work.inputs[0].shape[-1]
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "estimate.json"
-        command = [
-            sys.executable,
-            "-m",
-            "swapopt_core",
-            "estimate",
-            "--model",
-            factory,
-            "--batch",
-            str(batch),
-            "--seq",
-            str(seq),
-            "--device",
-            "cpu",
-            "--json",
-            str(out),
-        ]
-        env = _child_env()
-        env["BUDGET_MODELS_SIZE"] = size
-        start = time.perf_counter()
-        proc = subprocess.run(
-            command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
-        )
-        seconds = time.perf_counter() - start
-        if proc.returncode != 0 or not out.exists():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            return {"error": tail[0], "seconds": seconds}
-        plain = json.loads(out.read_text())["plain"]
-    return {"peak": plain["peak_bytes"], "step_ms": plain["step_ms"], "seconds": seconds}
+#: The link of ``--quick`` (GB/s per direction): a smoke run checks that every part runs.
+QUICK_LINK_GBPS = 0.05
 
 
 # --------------------------------------------------------------------------- the cells
@@ -449,13 +181,11 @@ def measure_grid_point(
         config = swapopt.OffloadConfig(max_resident_activation_mb=budget / MIB, runtime=RUNTIME)
         return swapopt.OffloadSession(config)
 
-    runtime = _runtime() if features.meter else None  # held: the shared instance stays alive
+    runtime = shared_runtime() if features.meter else None  # held: the shared instance stays alive
     meter = runtime.step_meter() if runtime is not None else None
     result = run_variant(swapopt, work, setup, steps, pacer, reference, meter)
     result.pop("session", None)
-    opt = result.pop("optimizer", None)
-    if opt is not None:
-        swapopt.unswap_optimizer(opt)
+    result.pop("optimizer", None)  # dropped swapped: unswapping would copy over the slow link
     result["activation_budget_bytes"] = int(budget)
     result["peak"] = result.pop("meter_peak")
     return result
@@ -536,158 +266,15 @@ def _brief(row: dict[str, Any]) -> str:
     return f"{peak_text}step {row['step_ms']:.0f} ms ({row['ratio']:.2f} x plain)"
 
 
-# --------------------------------------------------------------------------- report
-
-
-def _goal(value: float | None, limit: float, digits: int = 2) -> str:
-    if value is None:
-        return ""
-    text = f"{value:.{digits}f}"
-    return text if value <= limit else f"[red]{text}[/red]"
-
-
-def render(report: dict[str, Any], console: Console) -> None:
-    meta = report["meta"]
-    console.print(
-        f"CPU fp32 matmul {meta['cpu_gflops']:.1f} GFLOP/s ({meta['threads']} torch threads); "
-        f"emulated link {meta['link_gbps'] * 1e3:.2f} MB/s per direction "
-        f"({meta['link_rule']}); features: "
-        + ", ".join(f"{k} {'yes' if v else 'missing'}" for k, v in meta["features"].items())
-    )
-    plain = Table(title="Plain step (no swapopt) and swapopt estimate --device cpu")
-    for column in (
-        "model",
-        "params M",
-        "peak MiB census",
-        "peak MiB meter",
-        "act. peak MiB",
-        "step ms",
-        "estimate peak / measured",
-        "estimate step / measured",
-        "estimate s",
-    ):
-        plain.add_column(column, justify="left" if column == "model" else "right")
-    for name, model in report["models"].items():
-        p, est = model["plain"], model.get("estimate") or {}
-        peak_ratio = est["peak"] / p["peak"] if "peak" in est else None
-        step_ratio = est["step_ms"] / p["step_ms"] if "step_ms" in est else None
-        plain.add_row(
-            name,
-            f"{p['params'] / 1e6:.2f}",
-            f"{p['census_peak'] / MIB:.1f}",
-            f"{p['meter_peak'] / MIB:.1f}" if p["meter_peak"] else "missing",
-            f"{p['activation_peak'] / MIB:.1f}",
-            f"{p['step_ms']:.0f}",
-            _goal(abs(peak_ratio - 1) + 1, 1.05, 3) if peak_ratio else est.get("error", "")[:40],
-            _goal(abs(step_ratio - 1) + 1, 1.25) if step_ratio else "",
-            f"{est['seconds']:.0f}" if "seconds" in est else "",
-        )
-    console.print(plain)
-    cells = Table(
-        title="Whole-step budget (device_budget_mb) on loopback-async; step / plain: median over "
-        "the timed steps of each over the plain step run right before it; red: a goal missed"
-    )
-    for column in (
-        "model",
-        "target",
-        "MiB",
-        "peak / target",
-        "step / plain",
-        "step / planned",
-        "resident, T, K, act. MiB",
-        "best grid point",
-        "ours / best",
-        "moved MiB",
-        "same bits",
-    ):
-        cells.add_column(
-            column, justify="left" if column in ("model", "best grid point") else "right"
-        )
-    for name, model in report["models"].items():
-        for fraction, cell in model["cells"].items():
-            row = [name, f"{float(fraction):.0%}", f"{cell['target'] / MIB:.1f}"]
-            if "error" in cell:
-                floor = cell.get("floor_bytes")
-                note = f"floor {floor / MIB:.1f} MiB: " if floor else ""
-                cells.add_row(*row, f"[yellow]{note}{cell['error'][:60]}[/yellow]", *[""] * 7)
-                continue
-            full = float(fraction) >= 1.0
-            peak = cell.get("step_peak_device_bytes")
-            planned = cell.get("planned_step_ms")
-            knobs = [
-                cell.get("resident_state_fraction"),
-                cell.get("swap_times"),
-                cell.get("prefetch_batches"),
-                cell.get("activation_budget_bytes"),
-            ]
-            knob_text = ", ".join(
-                "?" if k is None else f"{k / MIB:.1f}" if i == 3 else f"{k:g}"
-                for i, k in enumerate(knobs)
-            )
-            cells.add_row(
-                *row,
-                _goal(peak / cell["target"], 1.02, 3) if peak else "missing",
-                _goal(cell["ratio"], 1.03 if full else float("inf")),
-                _goal(cell["step_ms"] / planned, 1.15) if planned else "missing",
-                knob_text,
-                cell.get("best_grid") or "none fits",
-                _goal(cell.get("ours_over_best"), 1.05),
-                (
-                    f"{cell['moved'] / MIB:.1f}"
-                    if not cell["moved"]
-                    else f"[red]{cell['moved'] / MIB:.1f}[/red]"
-                )
-                if full
-                else f"{cell['moved'] / MIB:.1f}",
-                "yes" if cell["identical"] else "[red]NO[/red]",
-            )
-    console.print(cells)
-    grid = Table(title="Hand-set grid (resident_state_fraction=0, all state swapped); peak: meter")
-    for column in (
-        "model",
-        "point",
-        "act. MiB",
-        "peak MiB",
-        "peak / plain",
-        "step / plain",
-        "same bits",
-    ):
-        grid.add_column(column, justify="left" if column in ("model", "point") else "right")
-    for name, model in report["models"].items():
-        for label, row in model["grid"].items():
-            if "error" in row:
-                grid.add_row(name, label, "", f"[yellow]{row['error'][:70]}[/yellow]", "", "", "")
-                continue
-            peak = row.get("peak")
-            grid.add_row(
-                name,
-                label,
-                f"{row['activation_budget_bytes'] / MIB:.1f}",
-                f"{peak / MIB:.1f}" if peak else "missing",
-                f"{peak / model['plain']['peak']:.3f}" if peak else "",
-                f"{row['ratio']:.2f}",
-                "yes" if row["identical"] else "[red]NO[/red]",
-            )
-    console.print(grid)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float | int | str | bool) or value is None:
-        return value
-    return str(value)
-
-
 # --------------------------------------------------------------------------- main
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt", "resnet", "llama"])
-    parser.add_argument("--size", choices=["quick", "default", "issue"], default="default")
+    parser.add_argument(
+        "--size", choices=["quick", "default", "medium", "issue"], default="default"
+    )
     parser.add_argument(
         "--targets",
         type=float,
@@ -732,12 +319,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="smoke run: tiny models, targets 100 and 50 %%, one warm and one timed step, a "
-        "four-point grid",
+        f"two-point grid, a {QUICK_LINK_GBPS:g} GB/s link unless --link-gbps says otherwise",
     )
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.targets, args.steps, args.grid_steps = "quick", [1.0, 0.5], [1, 1], [1, 1]
-        args.grid_swap_times, args.grid_prefetch, args.grid_activation = [2], [0, 2], [1.0, 0.5]
+        args.grid_swap_times, args.grid_prefetch, args.grid_activation = [2], [2], [1.0, 0.5]
+        if args.link_gbps is None:
+            args.link_gbps = QUICK_LINK_GBPS
     if any(not 0 < t <= 1 for t in args.targets):
         parser.error(f"--targets must be fractions in (0, 1], got {args.targets}")
     if args.steps[1] < 1 or args.grid_steps[1] < 1 or min(args.steps + args.grid_steps) < 0:
@@ -762,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     # Read when the shared loopback-async runtime is made, so set before anything makes it.
     os.environ["SWAPOPT_LOOPBACK_GBPS"] = f"{gbps:.9f}"
     os.environ.pop("SWAPOPT_LOOPBACK_JITTER_US", None)
-    swapopt = _import("swapopt_core")
+    swapopt = import_swapopt("swapopt_core")
     features = detect(swapopt)
     report: dict[str, Any] = {
         "meta": {
@@ -791,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     render(report, console)
     console.print(f"ran in {report['meta']['seconds']:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps(_jsonable(report), indent=2))
+        args.json.write_text(json.dumps(jsonable(report), indent=2))
     rows = [
         row
         for model in report["models"].values()

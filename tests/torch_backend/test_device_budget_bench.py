@@ -1,0 +1,65 @@
+"""``benchmarks/device_budget.py --quick``: every part runs, the JSON holds every figure, and
+every variant that ran ends with the same parameters as plain training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "device_budget.py"
+
+
+@pytest.mark.slow
+def test_quick_run_writes_every_figure_and_keeps_the_bits(tmp_path: Path) -> None:
+    out = tmp_path / "budget.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--quick",
+            "--models",
+            "gpt",
+            "--jobs",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    meta = report["meta"]
+    assert meta["link_gbps"] == 0.05 and meta["cpu_gflops"] > 0
+    model = report["models"]["gpt"]
+    plain = model["plain"]
+    assert plain["params"] > 0 and plain["step_ms"] > 0
+    assert plain["census_peak"] > plain["param_bytes"] > 0  # gradients, state, activations too
+    assert 0 < plain["activation_peak"] < plain["census_peak"]
+    assert list(model["cells"]) == ["1", "0.5"]
+    assert list(model["grid"]) == ["T=2 K=2 A=100%", "T=2 K=2 A=50%"]
+    features = meta["features"]
+    for cell in model["cells"].values():
+        assert cell["target"] > 0
+        if not features["budget"]:
+            assert "error" in cell
+            continue
+        assert "error" not in cell, cell
+        assert cell["identical"] and cell["step_peak_device_bytes"] > 0
+    for row in model["grid"].values():
+        assert "error" not in row, row
+        assert row["identical"] and row["step_ms"] > 0
+        assert (row["peak"] is not None) == features["meter"]
+    if features["estimate"]:
+        assert "peak" in model["estimate"] or "error" in model["estimate"]

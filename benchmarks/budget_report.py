@@ -17,8 +17,28 @@ def _goal(value: float | None, limit: float, digits: int = 2) -> str:
     return text if value <= limit else f"[red]{text}[/red]"
 
 
+def _band(value: float | None, tolerance: float, digits: int = 2) -> str:
+    """``value`` (a ratio), red when it is more than ``tolerance`` away from 1."""
+    if value is None:
+        return ""
+    text = f"{value:.{digits}f}"
+    return text if abs(value - 1) <= tolerance else f"[red]{text}[/red]"
+
+
+class _Notes:
+    """Failures, listed under the tables and referred to by number in the cells."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, where: str, text: str) -> str:
+        self.lines.append(f"({len(self.lines) + 1}) {where}: {text}")
+        return f"[yellow]see ({len(self.lines)})[/yellow]"
+
+
 def render(report: dict[str, Any], console: Console) -> None:
     meta = report["meta"]
+    notes = _Notes()
     console.print(
         f"CPU fp32 matmul {meta['cpu_gflops']:.1f} GFLOP/s ({meta['threads']} torch threads); "
         f"emulated link {meta['link_gbps'] * 1e3:.2f} MB/s per direction "
@@ -49,8 +69,12 @@ def render(report: dict[str, Any], console: Console) -> None:
             f"{p['meter_peak'] / MIB:.1f}" if p["meter_peak"] else "missing",
             f"{p['activation_peak'] / MIB:.1f}",
             f"{p['step_ms']:.0f}",
-            _goal(abs(peak_ratio - 1) + 1, 1.05, 3) if peak_ratio else est.get("error", "")[:40],
-            _goal(abs(step_ratio - 1) + 1, 1.25) if step_ratio else "",
+            _band(peak_ratio, 0.05, 3)
+            if peak_ratio
+            else notes.add(f"{name} estimate", est["error"])
+            if "error" in est
+            else "",
+            _band(step_ratio, 0.25),
             f"{est['seconds']:.0f}" if "seconds" in est else "",
         )
     console.print(plain)
@@ -80,7 +104,8 @@ def render(report: dict[str, Any], console: Console) -> None:
             if "error" in cell:
                 floor = cell.get("floor_bytes")
                 note = f"floor {floor / MIB:.1f} MiB: " if floor else ""
-                cells.add_row(*row, f"[yellow]{note}{cell['error'][:60]}[/yellow]", *[""] * 7)
+                where = f"{name} at {float(fraction):.0%}"
+                cells.add_row(*row, notes.add(where, note + cell["error"]), *[""] * 7)
                 continue
             full = float(fraction) >= 1.0
             peak = cell.get("step_peak_device_bytes")
@@ -127,7 +152,8 @@ def render(report: dict[str, Any], console: Console) -> None:
     for name, model in report["models"].items():
         for label, row in model["grid"].items():
             if "error" in row:
-                grid.add_row(name, label, "", f"[yellow]{row['error'][:70]}[/yellow]", "", "", "")
+                failed = notes.add(f"{name} grid {label}", row["error"])
+                grid.add_row(name, label, "", failed, "", "", "")
                 continue
             peak = row.get("peak")
             grid.add_row(
@@ -140,6 +166,8 @@ def render(report: dict[str, Any], console: Console) -> None:
                 "yes" if row["identical"] else "[red]NO[/red]",
             )
     console.print(grid)
+    for line in notes.lines:
+        console.print(line, highlight=False)
 
 
 def jsonable(value: Any) -> Any:

@@ -47,7 +47,7 @@ def test_quick_run_writes_every_figure_and_keeps_the_bits(tmp_path: Path) -> Non
     assert plain["params"] > 0 and plain["step_ms"] > 0
     assert plain["census_peak"] > plain["param_bytes"] > 0  # gradients, state, activations too
     assert 0 < plain["activation_peak"] < plain["census_peak"]
-    assert list(model["cells"]) == ["1", "0.5"]
+    assert list(model["cells"]) == ["1", "0.7"]
     assert list(model["grid"]) == ["T=2 K=2 A=100%", "T=2 K=2 A=50%"]
     features = meta["features"]
     for cell in model["cells"].values():

@@ -79,8 +79,8 @@ def render(report: dict[str, Any], console: Console) -> None:
         )
     console.print(plain)
     cells = Table(
-        title="Whole-step budget (device_budget_mb) on loopback-async; step / plain: median over "
-        "the timed steps of each over the plain step run right before it; red: a goal missed"
+        title="Whole-step budget (device_budget_mb) on loopback-async; step / plain: the median "
+        "step over the median of the plain steps run between the timed ones; red: a goal missed"
     )
     for column in (
         "model",

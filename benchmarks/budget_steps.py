@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -168,14 +168,15 @@ def run_variant(
     """``steps[0]`` untimed then ``steps[1]`` timed steps of a fresh model after ``setup``.
 
     Returns:
-        ``ratios`` (each timed step over its plain twin), ``step_ms`` (median), ``moved``
+        ``paired`` (each timed step over its plain twin) and their median
+        ``paired_ratio``, ``times`` and their median ``step_ms``, ``moved``
         (bytes copied in the timed steps), ``identical`` (parameters against plain's),
         ``meter_peak`` (with ``meter``: the highest step's peak), ``session`` and
         ``optimizer``; or ``error`` when the variant failed.
     """
     model = work.build()
     opt = make_optimizer(model)
-    result: dict[str, Any] = {"ratios": [], "times": [], "meter_peak": None}
+    result: dict[str, Any] = {"paired": [], "times": [], "meter_peak": None}
     try:
         session = setup(model, opt)
         for index in range(steps[0] + steps[1]):
@@ -193,7 +194,7 @@ def run_variant(
                 result["meter_peak"] = max(peak, result["meter_peak"] or 0)
             if timed:
                 result["times"].append(elapsed)
-                result["ratios"].append(elapsed / plain_s)
+                result["paired"].append(elapsed / plain_s)
         result["moved"] = moved(swapopt, opt, session) - moved_before if steps[1] else 0
     except Exception as error:  # reported in the table: one failed cell must not end the run
         result["error"] = f"{type(error).__name__}: {error}"
@@ -202,7 +203,7 @@ def run_variant(
             result["floor_bytes"] = int(floor)
         return result
     result["step_ms"] = statistics.median(result["times"]) * 1e3
-    result["ratio"] = statistics.median(result["ratios"])
+    result["paired_ratio"] = statistics.median(result["paired"])
     params = [p.detach() for p in model.parameters()]
     result["identical"] = all(torch.equal(a, b) for a, b in zip(reference, params, strict=True))
     result["session"], result["optimizer"] = session, opt
@@ -234,10 +235,25 @@ def natural_activation_peak(swapopt: ModuleType, work: Workload, model: nn.Modul
     return int(session.stats().peak_resident_activation_bytes)
 
 
+def plain_references(work: Workload, counts: Iterable[int]) -> dict[int, list[torch.Tensor]]:
+    """Plain training's parameters after each number of steps in ``counts``: what every
+    variant that ran as many steps must end with, bit for bit."""
+    wanted = sorted(set(counts))
+    model = work.build()
+    opt = make_optimizer(model)
+    references = {}
+    for count in range(1, wanted[-1] + 1):
+        train_step(work, model, opt, None)
+        if count in wanted:
+            references[count] = [p.detach().clone() for p in model.parameters()]
+    return references
+
+
 def measure_plain(
     swapopt: ModuleType, work: Workload, steps: tuple[int, int], features: Features
-) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Plain training's time, peaks and final parameters (the reference of every variant)."""
+) -> dict[str, Any]:
+    """Plain training's step time (median of ``steps[1]`` after ``steps[0]``) and its peaks:
+    the whole step's (census, meter) and the activations' alone."""
     model = work.build()
     opt = make_optimizer(model)
     times = []
@@ -246,11 +262,10 @@ def measure_plain(
         train_step(work, model, opt, None)
         if index >= steps[0]:
             times.append(time.perf_counter() - start)
-    reference = [p.detach().clone() for p in model.parameters()]
     plain: dict[str, Any] = {
         "params": sum(p.numel() for p in model.parameters()),
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "step_ms": statistics.median(times) * 1e3 if times else None,
+        "step_ms": statistics.median(times) * 1e3,
         "census_peak": census_peak(work, model, opt),
         "meter_peak": None,
     }
@@ -263,7 +278,7 @@ def measure_plain(
     plain["peak"] = plain["meter_peak"] or plain["census_peak"]
     plain["peak_source"] = "meter" if plain["meter_peak"] else "census"
     plain["activation_peak"] = natural_activation_peak(swapopt, work, model)
-    return plain, reference
+    return plain
 
 
 # --------------------------------------------------------------------------- estimate

@@ -91,6 +91,7 @@ from budget_steps import (  # noqa: E402
     import_swapopt,
     matmul_gflops,
     measure_plain,
+    plain_references,
     run_estimate,
     run_variant,
     shared_runtime,
@@ -207,16 +208,16 @@ def best_within(grid: dict[str, dict[str, Any]], target: int) -> tuple[str, dict
     return label, row
 
 
-def measure_model(
+def measure_plain_part(
     swapopt: ModuleType,
     work: Workload,
     args: argparse.Namespace,
     features: Features,
     console: Console,
 ) -> dict[str, Any]:
-    """Plain, estimate, every target and every grid point of one workload."""
-    start = time.perf_counter()
-    plain, reference = measure_plain(swapopt, work, tuple(args.steps), features)
+    """Plain training's figures and ``swapopt estimate``'s, measured before any budgeted run
+    so that nothing else runs on the machine meanwhile."""
+    plain = measure_plain(swapopt, work, tuple(args.steps), features)
     console.log(
         f"{work.name}: {plain['params'] / 1e6:.2f} M parameters, plain peak "
         f"{plain['peak'] / MIB:.1f} MiB ({plain['peak_source']}), step {plain['step_ms']:.0f} ms"
@@ -224,16 +225,39 @@ def measure_model(
     result: dict[str, Any] = {"description": work.description, "plain": plain}
     if features.estimate and not args.no_estimate:
         result["estimate"] = run_estimate(work, args.size)
+        console.log(f"{work.name} estimate: {result['estimate']}")
+    return result
+
+
+def measure_budget_part(
+    swapopt: ModuleType,
+    work: Workload,
+    plain: dict[str, Any],
+    args: argparse.Namespace,
+    features: Features,
+    console: Console,
+) -> dict[str, Any]:
+    """Every target and every grid point of one workload, against ``plain``'s peak.
+
+    *step / plain* (``ratio``) is each variant's median step over the median of every plain
+    step the pacer ran for this workload (the many plain steps make it steady on a shared
+    machine); ``paired_ratio`` is the median of each timed step over the plain step run
+    right before it.
+    """
+    start = time.perf_counter()
+    counts = (sum(args.steps), sum(args.grid_steps))
+    references = plain_references(work, counts)
     pacer = Pacer(work)
-    result["cells"] = {}
+    cells: dict[str, dict[str, Any]] = {}
     for fraction in args.targets:
         target = int(fraction * plain["peak"])
         if features.budget:
+            reference = references[counts[0]]
             cell = measure_ours(swapopt, work, target, tuple(args.steps), pacer, reference)
         else:
             cell = {"error": "OffloadSession(config, optimizer=opt) is not there yet"}
         cell["target"] = target
-        result["cells"][f"{fraction:g}"] = cell
+        cells[f"{fraction:g}"] = cell
         console.log(f"{work.name} at {fraction:.0%}: {_brief(cell)}")
     grid: dict[str, dict[str, Any]] = {}
     points = itertools.product(args.grid_swap_times, args.grid_prefetch, args.grid_activation)
@@ -246,19 +270,26 @@ def measure_model(
             plain["activation_peak"],
             tuple(args.grid_steps),
             pacer,
-            reference,
+            references[counts[1]],
             features,
         )
         console.log(f"{work.name} grid {point.label}: {_brief(grid[point.label])}")
-    result["grid"] = grid
-    for cell in result["cells"].values():
+    pacer_ms = statistics.median(pacer.times) * 1e3 if pacer.times else None
+    for row in (*cells.values(), *grid.values()):
+        if "step_ms" in row and pacer_ms:
+            row["ratio"] = row["step_ms"] / pacer_ms
+    for cell in cells.values():
         best = best_within(grid, cell["target"])
         cell["best_grid"] = best[0] if best else None
         if best and "ratio" in cell:
             cell["ours_over_best"] = cell["ratio"] / best[1]["ratio"]
-    result["plain"]["pacer_ms"] = statistics.median(pacer.times) * 1e3 if pacer.times else None
-    result["seconds"] = time.perf_counter() - start
-    return result
+    return {
+        "cells": cells,
+        "grid": grid,
+        "pacer_ms": pacer_ms,
+        "pacer_steps": len(pacer.times),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def _brief(row: dict[str, Any]) -> str:
@@ -266,7 +297,7 @@ def _brief(row: dict[str, Any]) -> str:
         return row["error"][:160]
     peak = row.get("step_peak_device_bytes", row.get("peak"))
     peak_text = f"peak {peak / MIB:.1f} MiB, " if peak else ""
-    return f"{peak_text}step {row['step_ms']:.0f} ms ({row['ratio']:.2f} x plain)"
+    return f"{peak_text}step {row['step_ms']:.0f} ms ({row['paired_ratio']:.2f} x plain)"
 
 
 # --------------------------------------------------------------------------- main
@@ -350,13 +381,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _measure_elsewhere(name: str, args: argparse.Namespace, features: Features) -> dict[str, Any]:
-    """``measure_model`` in a worker process (``--jobs``), its figures as plain JSON values."""
+def _measure_elsewhere(
+    name: str, plain: dict[str, Any], args: argparse.Namespace, features: Features
+) -> dict[str, Any]:
+    """``measure_budget_part`` in a worker process (``--jobs``), as plain JSON values."""
     torch.set_num_threads(args.threads)
     swapopt = import_swapopt("swapopt_core")
     console = Console(stderr=True, width=150)
-    result = measure_model(swapopt, workload(name, args.size), args, features, console)
-    return dict(jsonable(result))
+    work = workload(name, args.size)
+    return dict(jsonable(measure_budget_part(swapopt, work, plain, args, features, console)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
         },
         "models": {},
     }
+    for name in args.models:
+        work = workload(name, args.size)
+        report["models"][name] = measure_plain_part(swapopt, work, args, features, console)
+    plains = {name: report["models"][name]["plain"] for name in args.models}
     jobs = min(args.jobs, len(args.models))
     if jobs > 1:
         # Mostly the steps wait on the emulated link, so the models share the cores well; a
@@ -405,15 +442,19 @@ def main(argv: list[str] | None = None) -> int:
         spawn = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=spawn) as pool:
             futures = {
-                name: pool.submit(_measure_elsewhere, name, args, features) for name in args.models
+                name: pool.submit(_measure_elsewhere, name, plains[name], args, features)
+                for name in args.models
             }
-            report["models"] = {name: future.result() for name, future in futures.items()}
-            console.log("all models measured")
+            parts = {name: future.result() for name, future in futures.items()}
     else:
-        for name in args.models:
-            report["models"][name] = measure_model(
-                swapopt, workload(name, args.size), args, features, console
+        parts = {
+            name: measure_budget_part(
+                swapopt, workload(name, args.size), plains[name], args, features, console
             )
+            for name in args.models
+        }
+    for name, part in parts.items():
+        report["models"][name].update(part)
     report["meta"]["seconds"] = time.perf_counter() - start
     render(report, console)
     console.print(f"ran in {report['meta']['seconds']:.0f} s")

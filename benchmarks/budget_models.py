@@ -32,7 +32,7 @@ class Size:
 
 #: ``default``: small enough that the whole benchmark runs in about ten minutes on two cores
 #: at the H200's link/compute ratio (about 3 MB/s here; see ``device_budget.py``);
-#: ``medium``: about 1 M parameters (the ResNet 0.2 M), an hour or more; ``issue``: the
+#: ``medium``: about 1 M parameters (the ResNet 0.2 M), half an hour or more; ``issue``: the
 #: issue's ~30 M GPT (a fully swapped step alone takes minutes); ``quick``: the smoke test's.
 SIZES = {
     "quick": Size(

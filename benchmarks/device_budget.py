@@ -12,10 +12,13 @@ used are printed and written to the JSON.
 
 **The models** (``budget_models.py``; ``--size``): a GPT-style decoder (``swapopt demo``'s
 model), a CIFAR-style ResNet and a small Llama built from a transformers ``LlamaConfig``, fp32,
-AdamW, one fixed batch each. At ``--size default`` they have about 1 M parameters (the ResNet
-0.2 M), so that a step that moves all of its optimizer state over the emulated link takes
-seconds here; ``--size issue`` builds the issue's ~30 M GPT (expect hours: at the H200 ratio
-this CPU moves about 3 MB/s).
+AdamW, one fixed batch each. At the H200's ratio every byte moved costs the time of about
+18 000 FLOPs, so this CPU moves about 3 MB/s and a plain step of a tenth of a second can hide
+only a few hundred KB; every budgeted variant also pays a traced and planned first step.
+``--size default`` (GPT and Llama about 0.25 M parameters, 9 to 10 MiB a step; ResNet 0.04 M,
+5 MiB) keeps the whole run near ten minutes; ``medium`` (about 1 M parameters, 40 to 75 MiB)
+takes half an hour or more; ``issue`` builds the issue's ~30 M GPT, where moving the optimizer state
+once takes minutes.
 
 **Measured per model**, each variant from the same initial parameters on the same batch:
 
@@ -46,10 +49,13 @@ this CPU moves about 3 MB/s).
 * **same bits**: every variant ends with parameters ``torch.equal`` to plain's after as many
   steps.
 
-Parts whose API is not there yet (the budgeted session, the engine's knobs, the meter, the
-estimate) are reported as missing, and the rest runs. Takes about ten minutes at the defaults
-on two cores; ``--quick`` (tiny models, two targets, a two-point grid, a fast link) well
-under a minute.
+Order: plain training and the estimate of every model first, alone on the machine; then
+the budgeted cells and the grid, the models in parallel processes (``--jobs``, default 3:
+the steps mostly wait on the emulated link; ``--jobs 1`` for the quietest timing). Parts
+whose API is not there (the budgeted session, the engine's knobs, the meter, the estimate)
+are reported as missing and the rest runs. About ten minutes at the defaults on two cores;
+``--quick`` (tiny models, two targets, a two-point grid, a fast link) about half a minute
+a model.
 
 Run::
 

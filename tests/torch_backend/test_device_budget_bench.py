@@ -50,13 +50,14 @@ def test_quick_run_writes_every_figure_and_keeps_the_bits(tmp_path: Path) -> Non
     assert list(model["cells"]) == ["1", "0.7"]
     assert list(model["grid"]) == ["T=2 K=2 A=100%", "T=2 K=2 A=50%"]
     features = meta["features"]
-    for cell in model["cells"].values():
+    for fraction, cell in model["cells"].items():
         assert cell["target"] > 0
         if not features["budget"]:
             assert "error" in cell
-            continue
-        assert "error" not in cell, cell
-        assert cell["identical"] and cell["step_peak_device_bytes"] > 0
+        elif "error" in cell:  # 70 % may be below the tiny GPT's floor: then the refusal says so
+            assert fraction != "1" and "device_budget_mb" in cell["error"], cell["error"]
+        else:
+            assert cell["identical"] and cell["step_peak_device_bytes"] > 0
     for row in model["grid"].values():
         assert "error" not in row, row
         assert row["identical"] and row["step_ms"] > 0

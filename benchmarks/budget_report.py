@@ -117,7 +117,7 @@ def render(report: dict[str, Any], console: Console) -> None:
                 cell.get("activation_budget_bytes"),
             ]
             knob_text = ", ".join(
-                "?" if k is None else f"{k / MIB:.1f}" if i == 3 else f"{k:g}"
+                "-" if k is None else f"{k / MIB:.1f}" if i == 3 else f"{k:g}"
                 for i, k in enumerate(knobs)
             )
             cells.add_row(

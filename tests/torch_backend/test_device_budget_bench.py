@@ -3,16 +3,42 @@ every variant that ran ends with the same parameters as plain training."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device_budget.py"
+
+
+def _script() -> ModuleType:
+    name = "device_budget_under_test"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_the_best_grid_point_is_the_fastest_measured_within_the_target() -> None:
+    grid = {
+        "fast but over": {"peak": 120, "ratio": 1.0},
+        "fits": {"peak": 100, "ratio": 3.0},
+        "fits and faster": {"peak": 90, "ratio": 2.0},
+        "no peak measured": {"peak": None, "ratio": 0.5},
+        "failed": {"error": "boom"},
+    }
+    best = _script().best_within(grid, 100)
+    assert best is not None and best[0] == "fits and faster"
+    assert _script().best_within(grid, 80) is None
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ once takes minutes.
 
 **Measured per model**, each variant from the same initial parameters on the same batch:
 
-* **plain**: the step without swapopt: its time (median of the timed steps) and its peak of
+* **plain**: the step without swapopt: its time (median of ``--plain-steps``) and its peak of
   device bytes over one whole step (forward, backward, ``opt.step()``, ``zero_grad()``):
   parameters, gradients, optimizer state, activations and temporaries. The peak comes from
   ``torch.distributed._tools.mem_tracker.MemTracker`` (``census``) and, once the runtime has
@@ -223,7 +223,7 @@ def measure_plain_part(
 ) -> dict[str, Any]:
     """Plain training's figures and ``swapopt estimate``'s, measured before any budgeted run
     so that nothing else runs on the machine meanwhile."""
-    plain = measure_plain(swapopt, work, tuple(args.steps), features)
+    plain = measure_plain(swapopt, work, (args.steps[0], args.plain_steps), features)
     console.log(
         f"{work.name}: {plain['params'] / 1e6:.2f} M parameters, plain peak "
         f"{plain['peak'] / MIB:.1f} MiB ({plain['peak_source']}), step {plain['step_ms']:.0f} ms"
@@ -343,6 +343,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="untimed and timed steps of plain and of every budgeted cell (default 2 2)",
     )
     parser.add_argument(
+        "--plain-steps",
+        type=int,
+        default=10,
+        help="timed steps of plain training, alone on the machine (default 10: they are short)",
+    )
+    parser.add_argument(
         "--grid-steps",
         type=int,
         nargs=2,
@@ -377,13 +383,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.targets, args.steps, args.grid_steps = "quick", [1.0, 0.7], [1, 1], [1, 1]
+        args.plain_steps = 3
         args.grid_swap_times, args.grid_prefetch, args.grid_activation = [2], [2], [1.0, 0.5]
         if args.link_gbps is None:
             args.link_gbps = QUICK_LINK_GBPS
     if any(not 0 < t <= 1 for t in args.targets):
         parser.error(f"--targets must be fractions in (0, 1], got {args.targets}")
-    if args.steps[1] < 1 or args.grid_steps[1] < 1 or min(args.steps + args.grid_steps) < 0:
-        parser.error("--steps and --grid-steps need at least one timed step and no negative count")
+    if (
+        min(args.steps[1], args.grid_steps[1], args.plain_steps) < 1
+        or min(args.steps + args.grid_steps) < 0
+    ):
+        parser.error(
+            "--steps, --grid-steps and --plain-steps need at least one timed step and no "
+            "negative count"
+        )
     return args
 
 
@@ -428,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             "size": args.size,
             "steps": args.steps,
             "grid_steps": args.grid_steps,
+            "plain_steps": args.plain_steps,
             "jobs": min(args.jobs, len(args.models)),
             "features": dataclasses.asdict(features),
             "torch": torch.__version__,

@@ -8,7 +8,6 @@ budgets, one optimizer, the variable reaching each integration) are checked eith
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import subprocess
@@ -28,7 +27,6 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from swapopt_core import (  # noqa: E402
     OffloadConfig,
-    OffloadSession,
     SwapOptimizerConfig,
     is_swap_optimizer,
 )
@@ -43,12 +41,6 @@ ACTIVATION_RUNTIME = OffloadConfig(runtime="loopback", min_offload_kib=0)
 LOOPBACK = SwapOptimizerConfig(runtime="loopback", min_numel=0, swap_times=3)
 
 pytestmark = pytest.mark.filterwarnings("ignore:SWAPOPT_DEVICE_BUDGET_MB")
-
-# TODO(merge): drop once OffloadSession(config, optimizer=opt) is on main.
-needs_session = pytest.mark.skipif(
-    "optimizer" not in inspect.signature(OffloadSession.__init__).parameters,
-    reason="OffloadSession(config, optimizer=opt) has not landed yet",
-)
 
 
 @pytest.fixture(autouse=True)
@@ -160,7 +152,6 @@ def test_swapopt_run_refuses_both_budgets_before_the_script_starts(tmp_path) -> 
 # ---- training under the budget ----------------------------------------------------------------
 
 
-@needs_session
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_lightning_under_a_budget_equals_plain(tmp_path, accumulate) -> None:
     package = M.PL
@@ -175,7 +166,6 @@ def test_lightning_under_a_budget_equals_plain(tmp_path, accumulate) -> None:
     assert_within_budget(callback.offload_sessions.values())
 
 
-@needs_session
 def test_transformers_under_a_budget_equals_plain(tmp_path) -> None:
     plain = tiny.trainer(tmp_path / "plain")
     plain.train()
@@ -188,7 +178,6 @@ def test_transformers_under_a_budget_equals_plain(tmp_path) -> None:
     assert_within_budget([callback.offload_session])
 
 
-@needs_session
 def test_accelerate_under_a_budget_equals_plain() -> None:
     def train(accelerator) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -224,7 +213,6 @@ def test_accelerate_under_a_budget_equals_plain() -> None:
     assert_same(plain, train(SwapAccelerator(cpu=True, swap_plugin=plugin)))
 
 
-@needs_session
 def test_swapopt_run_trains_an_unchanged_script_under_the_budget(tmp_path) -> None:
     (line,) = [b for b in _blocks("bash") if "swapopt run train.py" in b]
     variables = dict(re.findall(r"(SWAPOPT_\w+)=(\S+)", line))
@@ -247,7 +235,6 @@ def test_docs_open_with_the_users_sentence() -> None:
     assert first.startswith("Say how much memory the step may use")
 
 
-@needs_session
 def test_docs_examples_run(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     blocks = _blocks("python")

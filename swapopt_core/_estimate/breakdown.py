@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -254,9 +254,6 @@ def estimate(
     plain = _plain(traced, trace, costs, temp)
     plan = None
     if budget_bytes is not None:
-        landing: dict[str, Any] = {}
-        if "grad_ready" in {f.name for f in fields(StepInputs)}:  # TODO(merge): pass it always
-            landing["grad_ready"] = tuple(traced.step.gradients)
         inputs = StepInputs(
             budget_bytes=budget_bytes,
             params_bytes=traced.params_bytes,
@@ -265,7 +262,7 @@ def estimate(
             trace=trace,
             backward_start_op=traced.step.backward_start,
             planner=planner,
-            **landing,
+            grad_ready=tuple(traced.step.gradients),
         )
         plan = _planned(plan_step(inputs), plain, trace, costs)
     details = {

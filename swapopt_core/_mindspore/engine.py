@@ -25,9 +25,9 @@ from swapopt_core._mindspore import is_mindspore_optimizer
 from swapopt_core._mindspore.adapter import GraphCache, MindSporeAdapter
 from swapopt_core._mindspore.runtime import MindSporeRuntime
 from swapopt_core._mindspore.state import MindSporeTensorOps, Slot
+from swapopt_core._planning.resident import resident_count
 from swapopt_core._swap.engine import ENGINE_ATTR, EngineBase
 from swapopt_core._swap.ops import Target
-from swapopt_core._swap.resident import resident_count
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import pytest
 ms = pytest.importorskip("mindspore")
 
 from swapopt_core import SwapOptError, swap_optimizer, swap_stats  # noqa: E402
-from swapopt_core._swap.resident import resident_count  # noqa: E402
+from swapopt_core._planning.resident import resident_count  # noqa: E402
 from tests.mindspore_backend.test_mindspore import (  # noqa: E402, F401
     FAMILIES,
     SHAPES,

@@ -127,7 +127,8 @@ class StepPlan:
 
     @property
     def moves_nothing(self) -> bool:
-        """Whether the plan keeps everything on the device."""
+        """Whether the plan keeps everything on the device (the update still runs in
+        ``swap_times`` batches, so that its undo copy stays one batch's)."""
         return self.resident_state_fraction >= 1.0 and self.activation_budget_bytes is None
 
 
@@ -157,8 +158,9 @@ class _Forward:
 class _Activations:
     """Plans forward and backward at activation budgets, once each."""
 
-    def __init__(self, inputs: StepInputs) -> None:
+    def __init__(self, inputs: StepInputs, planner: ResidencyPlanner) -> None:
         self.inputs = inputs
+        self.planner = planner
         self.index = TraceIndex(inputs.trace)
         self.floor = min_feasible_budget(inputs.trace, index=self.index)
         self.grads = _gradient_curve(inputs, self.index.n)
@@ -176,7 +178,7 @@ class _Activations:
 
     def _plan(self, budget: int | None) -> _Forward | None:
         trace = self.inputs.trace.with_limit(budget)
-        schedule = None if budget is None else self.inputs.planner.plan(trace)
+        schedule = None if budget is None else self.planner.plan(trace)
         result = simulate(trace, schedule, index=self.index)
         if budget is not None and result.peak_bytes > budget:
             return None
@@ -264,7 +266,7 @@ def plan_step(inputs: StepInputs) -> StepPlan:
     opt = inputs.optimizer
     state = sum(opt.unit_bytes)
     base = inputs.params_bytes + opt.fixed_state_bytes
-    acts = _Activations(inputs)
+    acts = _Activations(inputs, _screening_planner(inputs))
     natural = acts.natural
     assert natural is not None
     plain_update_ms = state * opt.update_ms_per_byte + opt.batch_overhead_ms
@@ -274,10 +276,6 @@ def plan_step(inputs: StepInputs) -> StepPlan:
         + max(natural.before_backward, natural.in_backward, inputs.grads_bytes + acts.retained)
     )
     plain = (plain_peak, natural.ms + plain_update_ms)
-    budget = inputs.budget_bytes
-    if plain_peak <= budget:
-        return StepPlan(1.0, 1, 0, None, None, plain_peak, plain[1], *plain, state)
-    _check_floor(inputs, acts, state, base)
     link = UpdateCosts(
         ms_per_byte=opt.update_ms_per_byte,
         h2d_bytes_per_ms=inputs.trace.h2d_bandwidth_gbps * 1e6,
@@ -287,12 +285,13 @@ def plan_step(inputs: StepInputs) -> StepPlan:
     ladder = [None, *_ladder(acts)]
     best: _Candidate | None = None
     best_rung = 0
+    units = len(opt.unit_bytes)
     for fraction, times, prefetch in itertools.product(_FRACTIONS, _SWAP_TIMES, _PREFETCH):
-        shape = update_shape(opt.unit_bytes, fraction, times, prefetch, link)
-        if shape.prefetch_batches != prefetch or (times > 1 and len(shape.batch_bytes) < times):
+        if times > max(1, units) or (fraction >= 1.0 and prefetch):
             continue  # the same as a smaller choice
-        if not _may_fit(inputs, acts, base, shape):
-            continue  # no activation plan can help: skip planning for it
+        shape = update_shape(opt.unit_bytes, fraction, times, prefetch, link)
+        if shape.prefetch_batches != prefetch or not _may_fit(inputs, acts, base, shape):
+            continue  # the same as a smaller choice, or no activation plan can help it
         for rung, level in enumerate(ladder):
             candidate = _evaluate(inputs, acts, base, shape, fraction, times, acts.at(level))
             if candidate is not None:
@@ -300,8 +299,10 @@ def plan_step(inputs: StepInputs) -> StepPlan:
                     best, best_rung = candidate, rung
                 break  # a smaller activation budget is never faster
     if best is None:
-        raise BudgetTooSmall(_floor_message(inputs, acts, state, base, None), budget)
+        _check_floor(inputs, acts, state, base)
+        raise BudgetTooSmall(_floor_message(inputs, acts, state, base, None), inputs.budget_bytes)
     best = _refine(inputs, acts, base, best, ladder, best_rung)
+    best = _final(inputs, acts, base, best)
     return StepPlan(
         resident_state_fraction=best.fraction,
         swap_times=best.swap_times,
@@ -315,6 +316,33 @@ def plan_step(inputs: StepInputs) -> StepPlan:
         largest_batch_bytes=best.shape.largest_batch,
         update_extra_bytes=best.shape.extra_bytes(opt.staging_factor),
     )
+
+
+#: Traces longer than this are screened with the offload-only planner (the candidates'
+#: activation budgets), and only the chosen budget is planned with the session's planner.
+SCREEN_OPS = 2000
+
+
+def _screening_planner(inputs: StepInputs) -> ResidencyPlanner:
+    """The planner the candidate activation budgets are priced with: the session's, or on
+    long traces the offload-only one (recompute trials cost seconds per budget there)."""
+    if len(inputs.trace.ops) <= SCREEN_OPS:
+        return inputs.planner
+    from swapopt_core._planning.timed import TimedPlanner
+
+    return TimedPlanner(recompute=False)
+
+
+def _final(inputs: StepInputs, acts: _Activations, base: int, best: _Candidate) -> _Candidate:
+    """Plan the chosen activation budget with the session's planner, if it screened with
+    another; keep the screened plan where the session's does not fit or is slower."""
+    if acts.planner is inputs.planner or best.forward.budget is None:
+        return best
+    real = _Activations(inputs, inputs.planner)
+    candidate = _evaluate(
+        inputs, acts, base, best.shape, best.fraction, best.swap_times, real.at(best.forward.budget)
+    )
+    return candidate if candidate is not None and candidate.ms <= best.ms else best
 
 
 def _ladder(acts: _Activations) -> list[int]:

@@ -1,10 +1,9 @@
 """Where each activation storage is right now: on the device, in host memory, or both.
 
-Storages are identified by the ``UntypedStorage`` objects PyTorch keeps for their whole
-life (views share one). Releasing a storage resizes it to zero bytes in place and
-restoring resizes it back and copies its bytes in, so every tensor and autograd node that
-refers to it sees the data again without knowing it was away. A storage that cannot be
-resized (``.numpy()`` shares it with NumPy, ``from_blob`` memory) stays on the device.
+Storages are the ``UntypedStorage`` objects PyTorch keeps for their whole life (views share
+one). Releasing resizes one to zero bytes in place, restoring resizes it back and copies its
+bytes in, so every tensor and autograd node that refers to it sees the data again. One that
+cannot be resized (shared with NumPy, ``from_blob`` memory) stays on the device.
 
 The flags of a storage change before its bytes do, so an exception (a ``KeyboardInterrupt``
 too) anywhere in a move leaves a state ``restore_all`` can finish from.
@@ -36,10 +35,9 @@ class HostPool:
 
     Replays offload the same sizes every step, so a free list per exact size serves them
     without new allocations (and, on CUDA, without registering new pages). A storage
-    smaller than its plan's size (a shorter sequence) takes a buffer of the plan's size and
-    fills the front of it. A buffer comes
-    back with the tickets of the copies that last used it and is handed out again only once
-    they are done: a finished one is preferred, and the host waits only when none is.
+    smaller than its plan's size (a shorter sequence) fills the front of a plan-size buffer.
+    A buffer comes back with the tickets of the copies that last used it and is handed out
+    again only once they are done: a finished one is preferred, the host waits if none is.
     """
 
     def __init__(self, runtime: TorchRuntime, cap_bytes: int) -> None:

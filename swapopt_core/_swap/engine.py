@@ -1,8 +1,7 @@
 """What every swap engine is and does, whatever its framework: the step transaction.
 
-``swapopt_core._api`` talks to the engines only through ``EngineBase``: it asks each
-backend's engine class whether it ``serves`` an optimizer, builds that engine, and then
-calls ``install``, ``offload``, ``uninstall`` and ``stats`` on it.
+``swapopt_core._api`` talks to the engines only through ``EngineBase`` (``serves``, then
+``install``, ``offload``, ``uninstall``, ``stats``, ``reconfigure``).
 
 The step is written once, here (``run_step``): write back what an interrupted step kept,
 let the backend list the parameters to update (``open_step``), skip those an interrupted

@@ -42,8 +42,10 @@ from swapopt_core import (
     swap_optimizer,
     unswap_optimizer,
 )
+from swapopt_core._budget import budget_session, check_one_optimizer, with_device_budget
 from swapopt_core._launch import note_nothing_to_swap, warn_without_run
-from swapopt_core.options import auto_enabled, read_settings, with_device_budget
+from swapopt_core._refusals import deepspeed_offloads, engine_refusal
+from swapopt_core.options import auto_enabled, read_settings
 
 logger = logging.getLogger(__name__)
 
@@ -60,60 +62,6 @@ def _check_type(owner: str, name: str, value: object, expected: type) -> None:
             f"{owner}({name}=...) must be a {expected.__name__} or None, got "
             f"{value!r}. Pass e.g. {name}={expected.__name__}(...), or None for the default."
         )
-
-
-#: What each engine that manages the optimizer state itself does with it.
-_ENGINES = {
-    "deepspeed": "DeepSpeed keeps the optimizer state inside its own ZeRO optimizer",
-    "megatron": "Megatron-LM keeps the optimizer state inside its own optimizer",
-    "fsdp-offload": "FSDP's CPU offload already keeps parameters, gradients and optimizer "
-    "state in host memory and steps there, so nothing is left on the device to swap",
-}
-
-
-def engine_refusal(
-    setting: str,
-    engine: str,
-    *,
-    own_offload: str,
-    instead: str,
-    offloads: Sequence[str] = (),
-    who: str = "SwapOptimizerCallback",
-) -> str:
-    """Why ``who`` refuses a framework setting whose engine manages optimizer state itself.
-
-    Args:
-        setting: The framework's setting as the user wrote it, e.g. ``"DeepSpeedStrategy"``.
-        engine: ``"deepspeed"``, ``"megatron"`` or ``"fsdp-offload"``.
-        own_offload: How to get the engine's own offload instead of swapopt's.
-        instead: What to change to keep swapopt, e.g. ``"train with strategy='ddp'"``.
-        offloads: What the engine offloads already (``deepspeed_offloads``), named in the
-            message.
-        who: What refuses, default ``"SwapOptimizerCallback"``.
-
-    Returns:
-        The message, for the framework's own exception type.
-    """
-    detail = f" and already offloads it ({', '.join(offloads)})" if offloads else ""
-    return (
-        f"{who} cannot run with {setting}: {_ENGINES[engine]}{detail}. Use {own_offload} "
-        f"without swapopt, or keep swapopt and {instead}."
-    )
-
-
-def deepspeed_offloads(config: Mapping[str, Any] | None) -> list[str]:
-    """The parts a DeepSpeed config offloads already: ``offload_optimizer`` and/or
-    ``offload_param`` of ``zero_optimization``, where their ``device`` is not ``"none"``."""
-    zero = (config or {}).get("zero_optimization", {})
-    return [
-        key
-        for key in ("offload_optimizer", "offload_param")
-        if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"
-    ]
-
-
-def _budget_of(config: OffloadConfig | None) -> float | None:
-    return None if config is None else config.device_budget_mb
 
 
 class SwapCallbackCore:
@@ -256,13 +204,8 @@ class SwapCallbackCore:
         self._automatic, self.rank_zero = automatic, rank_zero
         self._optimizers = list(optimizers)
         self.offload_sessions = {}
-        if self.device_budget_mb is not None and self.active and len(self._optimizers) != 1:
-            raise ValueError(
-                f"{self.owner}(device_budget_mb={self.device_budget_mb:g}) plans one "
-                f"optimizer's step, but this fit has {len(self._optimizers)} optimizers. "
-                "Train with one optimizer, or use activation_offload=OffloadConfig("
-                "max_resident_activation_mb=...) with a swap config instead of the budget."
-            )
+        if self.active:
+            check_one_optimizer(self.owner, self.device_budget_mb, len(self._optimizers))
         for opt in self._optimizers:
             if is_swap_optimizer(opt):
                 self.say("swapopt: %s is already swapped; keeping it", type(opt).__name__)
@@ -304,7 +247,8 @@ class SwapCallbackCore:
     @property
     def device_budget_mb(self) -> float | None:
         """The whole step's device budget in MiB, or None."""
-        return _budget_of(self.activation_offload)
+        offload = self.activation_offload
+        return None if offload is None else offload.device_budget_mb
 
     @property
     def swapped(self) -> list[torch.optim.Optimizer]:
@@ -328,18 +272,16 @@ class SwapCallbackCore:
         # opened at a batch start, and in manual optimization the one after each optimizer.
         session = self.offload_sessions.get(self._window_key)
         if session is None:
-            if self.device_budget_mb is None:
-                session = OffloadSession(self.activation_offload)
-            elif not self._optimizers:
-                raise ValueError(
-                    f"{self.owner}(device_budget_mb={self.device_budget_mb:g}) found no "
-                    "optimizer to plan the step with (the swap is off, or none was passed)."
-                )
-            else:  # the session plans the whole step: the update after the window too
-                session = OffloadSession(self.activation_offload, optimizer=self._optimizers[0])
+            session = budget_session(self.activation_offload, self._optimizers[:1], self._none)
             self.offload_sessions[self._window_key] = session
         session.__enter__()
         self._open = session
+
+    def _none(self, budget: float, count: int) -> str:
+        return (
+            f"{self.owner}(device_budget_mb={budget:g}) found no "
+            "optimizer to plan the step with (the swap is off, or none was passed)."
+        )
 
     def close_window(self, exc: BaseException | None = None) -> None:
         """Leave the open session, if any (with ``exc`` it plans nothing)."""

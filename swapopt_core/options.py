@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from swapopt_core import OffloadConfig, SwapOptimizerConfig
+from swapopt_core._budget import check_device_budget, with_device_budget
 from swapopt_core._options import (
     NO,
     YES,
@@ -197,7 +198,7 @@ def read_settings(
     device_budget = own.get("device_budget_mb")
     device = own.get("offload_optimizer_device")
     if device_budget is not None:
-        _check_device_budget(budget, device, device_budget, labels)
+        check_device_budget(budget, device, device_budget, labels)
         device = "cpu"  # the whole-step plan decides how much state moves, maybe none
     wanted: dict[str, object] = {}
     if budget is not None:
@@ -222,61 +223,6 @@ def read_settings(
     }
     logger.debug("swapopt settings for %s: %s", owner, values)
     return Settings(values, swap, activations)
-
-
-def _check_device_budget(
-    budget: object, device: object, device_budget: object, labels: Mapping[str, str]
-) -> None:
-    """Refuse what contradicts a device budget: an activation budget, or no swap."""
-    where = f"{labels['device_budget_mb']}={device_budget:g}"
-    if budget is not None:
-        raise ValueError(
-            f"{labels['activation_budget_mb']}={budget:g} and {where} are both set (MiB). "
-            "Give one: the device "
-            "budget is the whole step's target and plans the activation budget itself; the "
-            "activation budget limits activations alone."
-        )
-    if device == "none":
-        raise ValueError(
-            f"{labels['offload_optimizer_device']}='none' contradicts {where}: a device "
-            "budget plans the optimizer swap (it keeps on the device the state that fits). "
-            "Drop the offload device setting, or the budget."
-        )
-
-
-def with_device_budget(
-    owner: str, activation_offload: OffloadConfig | None, device_budget_mb: object
-) -> OffloadConfig | None:
-    """``activation_offload`` with the whole step's ``device_budget_mb`` set in it.
-
-    Args:
-        owner: How errors name the callback, e.g. ``"SwapOptimizerCallback"``.
-        activation_offload: The config given beside the budget (its runtime and planner are
-            kept); it must not set an activation budget of its own.
-        device_budget_mb: MiB (a number or its text), or None for no device budget.
-
-    Returns:
-        ``activation_offload`` unchanged without a budget; else a config with the budget.
-
-    Raises:
-        ValueError: The budget is not a size, or ``activation_offload`` sets an activation
-            budget (or another device budget) too.
-    """
-    if device_budget_mb is None:
-        return activation_offload
-    base = OffloadConfig() if activation_offload is None else activation_offload
-    if base.max_resident_activation_mb is not None or base.device_budget_mb is not None:
-        given = base.max_resident_activation_mb, base.device_budget_mb
-        raise ValueError(
-            f"{owner} got device_budget_mb={device_budget_mb!r} and activation_offload with "
-            f"(max_resident_activation_mb, device_budget_mb)={given!r}. Give one budget: "
-            "device_budget_mb is the whole step's target and plans the activation budget "
-            "itself; activation_offload=OffloadConfig(max_resident_activation_mb=...) budgets "
-            "activations alone."
-        )
-    return OffloadConfig.from_options(
-        {"device_budget_mb": device_budget_mb}, source=owner, base=base
-    )
 
 
 def auto_enabled(environ: Mapping[str, str]) -> bool:

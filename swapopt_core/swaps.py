@@ -24,6 +24,7 @@ from swapopt_core import (
     swap_optimizer,
     unswap_optimizer,
 )
+from swapopt_core._budget import budget_session
 from swapopt_core.options import SwapSettings
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,14 @@ def release(optimizer: object) -> bool:
     owner.forget(optimizer)
     unswap_optimizer(optimizer)
     return True
+
+
+def _not_one_prepared(budget: float, count: int) -> str:
+    return (
+        f"A device budget (device_budget_mb={budget:g}) plans one "
+        f"optimizer's step, but {count} optimizers were prepared. "
+        "prepare() exactly one optimizer before asking for the session."
+    )
 
 
 class SwapState:
@@ -160,15 +169,6 @@ class SwapState:
             if config is None:
                 message = "No activation or device budget is set, so there is no offload session."
                 raise ValueError(f"{message} Set {how_to_set}.")
-            if config.device_budget_mb is None:
-                self.session = OffloadSession(config)
-            elif len(self.optimizers) != 1:
-                raise ValueError(
-                    f"A device budget (device_budget_mb={config.device_budget_mb:g}) plans one "
-                    f"optimizer's step, but {len(self.optimizers)} optimizers were prepared. "
-                    "prepare() exactly one optimizer before asking for the session."
-                )
-            else:
-                optimizer = self.unwrap(self.optimizers[0])
-                self.session = OffloadSession(config, optimizer=optimizer)
+            inner = [self.unwrap(opt) for opt in self.optimizers]
+            self.session = budget_session(config, inner, _not_one_prepared)
         return self.session

@@ -1,17 +1,13 @@
 """HF Accelerate integration: swap prepared optimizers' state to host memory.
 
-Switched on at launch: ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu accelerate launch --no_python
-swapopt run train.py`` makes every ``Accelerator`` swap (``install_globally`` puts this
-module's ``prepare`` and ``free_memory`` on the class), with no change to ``train.py``;
-``SwapAccelerator`` has them as its own methods under plain ``accelerate launch``, and the
-module functions take an ``Accelerator`` created elsewhere. All three ways in are the same
-functions (``prepare``, ``free_memory``, ``load_state``, ``offload_session``) over one
-``swapopt_core.swaps.SwapState`` kept as ``accelerator._swapopt``: the settings
-(``SwapOptimizerPlugin``, ``None`` fields from ``SWAPOPT_*``), the swapped optimizers and the
-activation session. The swap is installed in place on each ``AcceleratedOptimizer``'s inner
-optimizer, so schedulers, the gradient scaler and accumulation keep working; loading needs
-no patch (the optimizer's ``load_state_dict`` hooks put loaded state in host memory). See
-``docs/accelerate.md``."""
+``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu accelerate launch --no_python swapopt run train.py``
+makes every ``Accelerator`` swap, with no change to ``train.py`` (``install_globally`` puts
+this module's ``prepare`` and ``free_memory`` on the class); ``SwapAccelerator`` has them as
+methods; the module functions take any ``Accelerator``. All keep one
+``swapopt_core.swaps.SwapState`` as ``accelerator._swapopt`` (settings, swapped optimizers,
+session). The swap is installed in place on each ``AcceleratedOptimizer``'s inner optimizer,
+so schedulers, the gradient scaler and accumulation keep working; loading needs no patch
+(``load_state_dict`` hooks put loaded state in host memory). See ``docs/accelerate.md``."""
 
 from __future__ import annotations
 
@@ -45,16 +41,12 @@ __all__ = [
 class SwapOptimizerPlugin(SwapSettings):
     """Settings of the swap; each ``None`` field defaults from its ``SWAPOPT_*`` variable.
 
-    The fields, variables and defaults are ``swapopt_core.options.SwapSettings``':
-    ``offload_optimizer_device`` (``"cpu"`` swaps prepared optimizers), ``swap_times``,
-    ``min_numel``, ``packed_swap``, ``runtime``, ``activation_budget_mb`` or
-    ``device_budget_mb`` (when set, ``offload_session()`` offers an ``OffloadSession``; the
-    device budget turns the swap on and plans the whole step), ``activation_runtime``,
-    ``resident_state_fraction`` and ``prefetch_batches``.
+    The fields, variables and defaults are ``swapopt_core.options.SwapSettings``'. With
+    ``activation_budget_mb`` or ``device_budget_mb`` set, ``offload_session()`` offers an
+    ``OffloadSession``; the device budget turns the swap on and plans the whole step.
 
     Raises:
-        ValueError: A field or environment variable has an invalid value; the message
-            names it, shows the value and lists the accepted ones.
+        ValueError: A field or environment variable is invalid (the message names it).
     """
 
 
@@ -97,9 +89,8 @@ def prepare(
 ) -> Any:
     """``accelerator.prepare(*objects, ...)``, then swap every optimizer it prepared (once).
 
-    ``plugin`` gives the accelerator its settings on first use (default: from the
-    environment); later calls keep them. ``SwapAccelerator.prepare`` and the patch of
-    ``install_globally`` are this function.
+    ``plugin`` gives the accelerator its settings on first use (default: the environment's);
+    later calls keep them. ``SwapAccelerator.prepare`` and ``install_globally``'s patch are it.
 
     Raises:
         ValueError: The swap is on, an optimizer is prepared and the distributed type
@@ -149,15 +140,13 @@ def offload_session(accelerator: Accelerator) -> OffloadSession:
 class SwapAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` swaps the optimizers' state to host memory.
 
-    ``free_memory`` unswaps first, ``load_state`` takes the loaded state back to host memory
-    and ``offload_session()`` gives the session for the activation budget: each method is the
-    module function of the same name.
+    ``free_memory`` unswaps first, ``load_state`` takes the loaded state back to host memory,
+    ``offload_session()`` gives the session: each is the module function of the same name.
 
     Args:
         *args: As for ``Accelerator``.
-        swap_plugin: The settings. Default: ``SwapOptimizerPlugin()``, read from the
-            ``SWAPOPT_*`` environment variables (off unless
-            ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu``).
+        swap_plugin: The settings. Default: ``SwapOptimizerPlugin()``, read from ``SWAPOPT_*``
+            (off unless ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` or a device budget is set).
         **kwargs: As for ``Accelerator``.
 
     Raises:
@@ -187,10 +176,9 @@ class SwapAccelerator(Accelerator):
 def install_globally() -> bool:
     """Make every ``Accelerator`` swap the optimizers it prepares, when the environment asks.
 
-    Reads the ``SWAPOPT_*`` variables as ``SwapAccelerator()`` does. With
-    ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` it puts ``SwapAccelerator``'s ``prepare`` and
-    ``free_memory`` on ``Accelerator`` itself, so existing and future instances swap alike
-    (``swapopt run`` calls it); otherwise it changes nothing. Calling it again does nothing.
+    With ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` (read as ``SwapAccelerator()`` reads it) it
+    puts ``prepare`` and ``free_memory`` on ``Accelerator`` itself, so existing and future
+    instances swap alike (``swapopt run`` calls it); else it changes nothing. Idempotent.
 
     Returns:
         Whether the patch is in place (``False`` when the variables ask for no swap).

@@ -2,13 +2,9 @@
 
 The callback is a ``swapopt_core.callbacks.SwapCallbackCore``, which decides what is swapped
 and when an activation session opens and closes; this module only maps Lightning's hooks
-onto it. One class per Lightning package, both with the hooks of ``_SwapHooks``:
-
-- ``SwapOptimizerCallback`` derives from ``pytorch_lightning.Callback``;
-- ``LightningSwapOptimizerCallback`` derives from ``lightning.pytorch.Callback``.
-
-Lightning calls a callback's hooks without checking which package it derives from, so
-either class serves either ``Trainer``; pick the one matching your imports so that
+onto it. ``SwapOptimizerCallback`` derives from ``pytorch_lightning.Callback`` and
+``LightningSwapOptimizerCallback`` from ``lightning.pytorch.Callback``; Lightning does not
+check which, so either serves either ``Trainer``: pick the one matching your imports so that
 ``isinstance`` checks and type checkers agree. With only the unified ``lightning`` package
 installed, ``SwapOptimizerCallback`` names ``LightningSwapOptimizerCallback``.
 """
@@ -20,8 +16,7 @@ from typing import Any, ClassVar
 
 from swapopt_core.callbacks import SwapCallbackCore, deepspeed_offloads, engine_refusal
 
-# ``install_globally()`` adds the callback to every Trainer (what ``swapopt run`` calls): it
-# sets ``SWAPOPT_LIGHTNING_AUTO=1`` when the ``SWAPOPT_*`` variables ask for a swap.
+# install_globally() (swapopt run) sets SWAPOPT_LIGHTNING_AUTO=1 when SWAPOPT_* ask for a swap.
 from swapopt_core.options import enable_lightning_auto as install_globally
 
 try:
@@ -46,12 +41,9 @@ __all__ = [
     "lightning_callbacks_factory",
 ]
 
-#: Lightning's stand-in optimizers (``configure_optimizers`` returned None), by name: a
-#: callback of one package may serve the other's Trainer.
-_PLACEHOLDERS = frozenset(
-    f"{package}.core.optimizer._MockOptimizer"
-    for package in ("pytorch_lightning", "lightning.pytorch")
-)
+#: Both packages' stand-in optimizers (``configure_optimizers`` returned None), by name.
+_PACKAGES = ("pytorch_lightning", "lightning.pytorch")
+_PLACEHOLDERS = frozenset(f"{package}.core.optimizer._MockOptimizer" for package in _PACKAGES)
 
 
 def _refusal(strategy: object) -> str | None:
@@ -144,12 +136,9 @@ class _SwapHooks(SwapCallbackCore):
 if _lp is not None:
 
     class LightningSwapOptimizerCallback(_SwapHooks, _lp.Callback):
-        """``SwapOptimizerCallback`` deriving from ``lightning.pytorch.Callback``.
-
-        Same arguments and behaviour as ``SwapOptimizerCallback``; ``setup`` raises
-        ``lightning.pytorch``'s ``MisconfigurationException``. This is the class the
-        ``lightning.pytorch.callbacks_factory`` entry point adds.
-        """
+        """``SwapOptimizerCallback`` deriving from ``lightning.pytorch.Callback`` (same
+        arguments and behaviour; ``setup`` raises ``lightning.pytorch``'s
+        ``MisconfigurationException``): the class ``lightning_callbacks_factory`` adds."""
 
         _misconfiguration = _lp.utilities.exceptions.MisconfigurationException
 
@@ -166,14 +155,14 @@ if _pl is not None:
         restore put on the device back to host memory, and unswaps at teardown or on an
         error. With ``activation_offload`` each optimizer step's forward and backward (a
         whole accumulation window; in manual optimization, up to each ``step()``) run in one
-        ``OffloadSession``; with ``device_budget_mb`` that session is ``OffloadSession(
-        config, optimizer=opt)`` and plans the whole step under the budget.
+        ``OffloadSession``.
 
         Args:
             config: How optimizer state is swapped. Default: ``SwapOptimizerConfig()``.
             activation_offload: Activation budget and runtime. Default: None (no offload).
-            device_budget_mb: The most device memory, in MiB, one training step may hold
-                (one optimizer). Exclusive with an activation budget in
+            device_budget_mb: The most device memory, in MiB, one training step may hold (one
+                optimizer): the session is then ``OffloadSession(config, optimizer=opt)`` and
+                plans the whole step under it. Exclusive with an activation budget in
                 ``activation_offload``, whose runtime it keeps. Default: None.
 
         Raises:

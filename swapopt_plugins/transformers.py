@@ -9,11 +9,8 @@ or the user) is kept and its restored state re-offloaded. ``on_train_end`` recor
 Accelerate patch made at ``prepare()`` (a swap the user installed stays). The Trainer has no
 hook for an exception in ``train``: there the optimizer stays swapped (it keeps working; the
 next ``train`` re-installs it, or call ``unswap_optimizer(trainer.optimizer.optimizer)``).
-See ``docs/transformers.md``.
-
-The callback is a ``swapopt_core.callbacks.SwapCallbackCore``, which decides what to swap
-and unswap and when a session opens and closes; this module maps the Trainer's events onto
-it.
+The callback is a ``swapopt_core.callbacks.SwapCallbackCore``, which makes every decision;
+this module maps the Trainer's events onto it. See ``docs/transformers.md``.
 """
 
 from __future__ import annotations
@@ -102,9 +99,8 @@ class SwapOptimizerCallback(SwapCallbackCore, TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Swap the optimizer (its checkpoint state, if any, is loaded by now); one swapped
-        already (by ``swapopt run``'s Accelerate patch or the user) is kept, its restored
-        state taken back to host memory."""
+        """Swap the optimizer (its checkpoint state is loaded by now); one swapped already
+        is kept, its restored state taken back to host memory."""
         if not self.swap_enabled:  # set from the environment with the swap off: sessions only
             return
         _refuse(args)
@@ -160,9 +156,8 @@ class SwapOptimizerCallback(SwapCallbackCore, TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Record ``swap_stats``, then remove the swap made for this ``train()``: the one this
-        callback installed, or the one ``swapopt run``'s Accelerate patch made at
-        ``prepare()`` (the next ``train()`` prepares, and so swaps, again)."""
+        """Record ``swap_stats``, then remove the swap made for this ``train()``: this
+        callback's, or the Accelerate patch's (the next ``train()`` prepares, and swaps, again)."""
         swapped = self.swapped
         if swapped:
             for stats in self._collect():

@@ -368,7 +368,7 @@ def test_activation_session_equals_plain() -> None:
     assert stats.warmups == 1 and stats.warmups + stats.replays + stats.retraces == 3
     assert stats.d2h_bytes > 0  # the tiny budget really moved activations out
     _reset()
-    with pytest.raises(ValueError, match="activation budget"):
+    with pytest.raises(ValueError, match="No activation or device budget is set"):
         SwapAccelerator(cpu=True, swap_plugin=_plugin()).offload_session()
 
 

@@ -188,7 +188,7 @@ def test_section_rejects_unknown_key_and_non_mapping() -> None:
     with pytest.raises(
         ValueError,
         match=r"swap_optimizer has no option 'swap_time'; accepted options: "
-        r"\['enable', .*'swap_times'",
+        r"\['device_budget_mb', 'enable', .*'swap_times'",
     ):
         build_trainer_config({"swap_optimizer": {"enable": True, "swap_time": 8}})
     with pytest.raises(ValueError, match="swap_optimizer must be a mapping of settings, got None"):

@@ -72,7 +72,10 @@ class OffloadStats(Counts):
         plans_kept: Plans (distinct op sequences) the session keeps now, at most 4.
         step_peak_device_bytes: With ``device_budget_mb``: the highest device bytes of any
             whole step (from the session's first entry until ``optimizer.step()`` returned,
-            the first step included), from the runtime's meter. 0 without.
+            the first step included), from the runtime's meter: the allocator's peak on an
+            accelerator, every step; a count of storages on the loopback runtimes, over the
+            first three steps and the three after each plan (it costs about half a CPU
+            step). 0 without.
         planned_step_peak_device_bytes: The peak the whole-step plan predicts; ``None``
             until planned (after the first step), and without ``device_budget_mb``.
         planned_step_ms: The step time the plan predicts (``None`` likewise).

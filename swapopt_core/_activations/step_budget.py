@@ -25,6 +25,7 @@ import torch
 from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.executor import Executor
 from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._device.meter import AllocatorMeter
 from swapopt_core._planning.floor import format_bytes
 from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.whole_step import (
@@ -45,6 +46,9 @@ _FIRST_STAGING_FACTOR = 4.0
 #: batch, and bigger batches hold somewhat more per byte (the plan is corrected once a
 #: planned update was metered).
 _BATCH_MARGIN = 1.1
+#: Steps metered from the start and after each plan where the meter counts storages (the
+#: loopback runtimes): the first, conservative step and the first planned ones.
+METERED_STEPS = 3
 #: Bytes of optimizer state per parameter byte assumed before the state exists (Adam's two).
 _STATE_PER_PARAM = 2
 
@@ -117,6 +121,7 @@ class StepBudget:
         self._update_extra: int | None = None  # the first update's bytes over its start
         self._inputs: StepInputs | None = None  # what the current plan was made from
         self._update_start = 0
+        self._to_meter = METERED_STEPS  # steps a storage-counting meter still watches
         self._handles = [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
@@ -185,9 +190,14 @@ class StepBudget:
     # ---- the step ------------------------------------------------------------------------
 
     def entered(self) -> None:
-        """An entry starts: open the step's meter window unless one is open (accumulation)."""
+        """An entry starts: open the step's meter window unless one is open (accumulation),
+        or unless the meter counts storages and the steps after the last plan were metered
+        (it costs about half a CPU step; an allocator's meter costs nothing and runs always)."""
         if self._meter is None:
             meter = self.engine.runtime.step_meter()
+            if self._to_meter <= 0 and not isinstance(meter, AllocatorMeter):
+                return
+            self._to_meter -= 1
             meter.begin(self._held())
             self._meter = meter
 
@@ -292,6 +302,7 @@ class StepBudget:
                 prefetch_batches=plan.prefetch_batches,
             ),
         )
+        self._to_meter = METERED_STEPS  # the new plan's first steps are watched again
         budget = plan.activation_budget_bytes
         self.executor.rebudget(budget if budget is not None else 2**62, plan.schedule)
         self.plan = plan

@@ -25,6 +25,15 @@ def _band(value: float | None, tolerance: float, digits: int = 2) -> str:
     return text if abs(value - 1) <= tolerance else f"[red]{text}[/red]"
 
 
+def _knob(index: int, value: float | None, target: int) -> str:
+    """A chosen knob; the activation budget (index 3) in MiB, "all" when it is no limit."""
+    if value is None:
+        return "-"
+    if index != 3:
+        return f"{value:g}"
+    return "all" if value > target else f"{value / MIB:.1f}"
+
+
 class _Notes:
     """Failures, listed under the tables and referred to by number in the cells."""
 
@@ -116,10 +125,7 @@ def render(report: dict[str, Any], console: Console) -> None:
                 cell.get("prefetch_batches"),
                 cell.get("activation_budget_bytes"),
             ]
-            knob_text = ", ".join(
-                "-" if k is None else f"{k / MIB:.1f}" if i == 3 else f"{k:g}"
-                for i, k in enumerate(knobs)
-            )
+            knob_text = ", ".join(_knob(i, k, cell["target"]) for i, k in enumerate(knobs))
             cells.add_row(
                 *row,
                 _goal(peak / cell["target"], 1.02, 3) if peak else "missing",

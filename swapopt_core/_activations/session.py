@@ -122,7 +122,9 @@ class OffloadSession:
     With ``OffloadConfig(device_budget_mb=N)`` and ``optimizer=opt`` the session plans the
     whole step under ``N`` (``swapopt_core._activations.step_budget``): it swaps ``opt``
     itself (or re-configures its swap), the ``opt.step()`` after the ``with`` block is part
-    of the plan, and ``stats()`` reports the measured and planned peaks.
+    of the plan, and ``stats()`` reports the measured and planned peaks. Where the plan keeps
+    every activation on the device, later entries run without the tracer (no cost per op; a
+    step whose activations grow past the plan is then not watched).
 
     Args:
         config: Budget, host cap, planner and runtime. Default: ``OffloadConfig()``.
@@ -224,7 +226,8 @@ class OffloadSession:
         try:
             if self._budget is not None:
                 self._budget.entered()  # the step's meter opens before its first op
-            self._executor.enter()
+            if not self._bypassed:
+                self._executor.enter()
         except BaseException:
             self._owner = None
             raise
@@ -241,10 +244,16 @@ class OffloadSession:
             _ACTIVE.reset(self._token)
             self._token = None
         try:
-            self._executor.exit(exc_type, exc, tb)
+            if self._executor.entry is not None:
+                self._executor.exit(exc_type, exc, tb)
         finally:
             self._owner = None
         return False
+
+    @property
+    def _bypassed(self) -> bool:
+        """A whole-step plan keeps every activation on the device: entries run untraced."""
+        return self._budget is not None and self._budget.keeps_activations
 
     # ---- results -------------------------------------------------------------------------
 

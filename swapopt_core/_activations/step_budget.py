@@ -320,6 +320,12 @@ class StepBudget:
             plan.plain_step_ms,
         )
 
+    @property
+    def keeps_activations(self) -> bool:
+        """Whether the plan keeps every activation on the device: then the session's entries
+        run without its tracer (nothing to move, nothing to pay per op)."""
+        return self.plan is not None and self.plan.activation_budget_bytes is None
+
     def stats(self) -> dict[str, Any]:
         """The whole-step fields of ``OffloadStats``."""
         plan = self.plan

@@ -126,9 +126,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--steps",
         type=int,
         nargs=2,
-        default=[2, 2],
+        default=[3, 2],
         metavar=("WARM", "TIMED"),
-        help="untimed and timed steps of plain and of every budgeted cell (default 2 2)",
+        help=(
+            "untimed and timed steps of plain and of every budgeted cell (default 3 2: the "
+            "first step traces, the two after the plan are metered)"
+        ),
     )
     parser.add_argument(
         "--plain-steps",

@@ -74,7 +74,7 @@ class OffloadStats(Counts):
             whole step (from the session's first entry until ``optimizer.step()`` returned,
             the first step included), from the runtime's meter: the allocator's peak on an
             accelerator, every step; a count of storages on the loopback runtimes, over the
-            first three steps and the three after each plan (it costs about half a CPU
+            first step and the two after each plan (it costs about half a CPU
             step). 0 without.
         planned_step_peak_device_bytes: The peak the whole-step plan predicts; ``None``
             until planned (after the first step), and without ``device_budget_mb``.

@@ -48,7 +48,7 @@ _FIRST_STAGING_FACTOR = 4.0
 _BATCH_MARGIN = 1.1
 #: Steps metered from the start and after each plan where the meter counts storages (the
 #: loopback runtimes): the first, conservative step and the first planned ones.
-METERED_STEPS = 3
+METERED_STEPS = 2
 #: Bytes of optimizer state per parameter byte assumed before the state exists (Adam's two).
 _STATE_PER_PARAM = 2
 

@@ -67,10 +67,22 @@ GB = 1e9
 MiB = 2**20
 TEST_PATHS = ("tests/torch_backend", "tests/activations", "tests/cli")
 # Wanted seconds per section on the GPU; each is also cut by what is left of the budget.
-SECTION_S = {"cuda_tests": 75.0, "bandwidth": 20.0, "adamw": 100.0, "offload": 40.0}
+SECTION_S = {
+    "cuda_tests": 75.0,
+    "bandwidth": 20.0,
+    "adamw": 100.0,
+    "offload": 40.0,
+    "device_budget": 40.0,
+}
 # How long past the budget a hung section may run before the watchdog reports and exits.
 WATCHDOG_GRACE_S = 20.0
-MIN_S = {"cuda_tests": 10.0, "bandwidth": 3.0, "adamw": 20.0, "offload": 8.0}
+MIN_S = {
+    "cuda_tests": 10.0,
+    "bandwidth": 3.0,
+    "adamw": 20.0,
+    "offload": 8.0,
+    "device_budget": 10.0,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -808,41 +820,48 @@ def _run(
     report = Report(meta, paths)
     current: dict[str, str] = {}
     watchdog = _watchdog(report, end + WATCHDOG_GRACE_S, current)
-    m = Machine(smoke)
-    ctx: dict[str, Any] = {
-        "swapopt": swapopt,
-        "swap_runtime": swap_runtime,
-        "offload_runtime": offload_runtime,
-    }
-    sections = report.data["sections"]
-    for name, fn in SECTIONS.items():
-        left = end - time.monotonic()
-        if only and name not in only:
-            sections[name] = {"status": "not_requested"}
-            continue
-        if left < MIN_S[name] * scale:
-            sections[name] = {"status": "skipped", "reason": f"out of time ({left:.0f} s left)"}
-            log(f"{name}: skipped, {left:.0f} s left")
-            continue
-        deadline = time.monotonic() + min(SECTION_S[name] * scale, left)
-        with report.lock:
-            sections[name] = {"status": "running"}
-            current["name"] = name
-        log(f"{name}: start ({deadline - time.monotonic():.0f} s)")
-        t0 = time.monotonic()
-        try:
-            result = fn(m, sizes, deadline, ctx)
-            entry = {"status": "ok", "result": result}
-        except Exception as exc:  # noqa: BLE001 - every failure is recorded, the rest runs
-            log(f"{name}: FAILED: {exc!r}")
-            entry = {"status": "failed", "error": repr(exc), "traceback": traceback.format_exc()}
-        entry["seconds"] = time.monotonic() - t0
-        with report.lock:
-            sections[name] = entry
-            current.pop("name", None)
-        m.release()
-        log(f"{name}: {entry['status']} in {entry['seconds']:.1f} s")
-    watchdog.cancel()
+    try:
+        m = Machine(smoke)
+        ctx: dict[str, Any] = {
+            "swapopt": swapopt,
+            "swap_runtime": swap_runtime,
+            "offload_runtime": offload_runtime,
+        }
+        sections = report.data["sections"]
+        for name, fn in SECTIONS.items():
+            left = end - time.monotonic()
+            if only and name not in only:
+                sections[name] = {"status": "not_requested"}
+                continue
+            if left < MIN_S[name] * scale:
+                sections[name] = {"status": "skipped", "reason": f"out of time ({left:.0f} s left)"}
+                log(f"{name}: skipped, {left:.0f} s left")
+                continue
+            deadline = time.monotonic() + min(SECTION_S[name] * scale, left)
+            with report.lock:
+                sections[name] = {"status": "running"}
+                current["name"] = name
+            log(f"{name}: start ({deadline - time.monotonic():.0f} s)")
+            t0 = time.monotonic()
+            try:
+                result = fn(m, sizes, deadline, ctx)
+                entry = {"status": "ok", "result": result}
+            except Exception as exc:  # noqa: BLE001 - every failure is recorded, the rest runs
+                log(f"{name}: FAILED: {exc!r}")
+                entry = {
+                    "status": "failed",
+                    "error": repr(exc),
+                    "traceback": traceback.format_exc(),
+                }
+            entry["seconds"] = time.monotonic() - t0
+            with report.lock:
+                sections[name] = entry
+                current.pop("name", None)
+            m.release()
+            log(f"{name}: {entry['status']} in {entry['seconds']:.1f} s")
+    finally:
+        # An in-process caller (the tests) must never meet a watchdog left running.
+        watchdog.cancel()
     with report.lock:
         report.data["summary"] = _summary(sections)
         report.data["meta"]["total_s"] = time.monotonic() - started

@@ -25,7 +25,7 @@ import torch
 from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.executor import Executor
 from swapopt_core._config import SwapOptimizerConfig
-from swapopt_core._device.meter import AllocatorMeter
+from swapopt_core._device.meter import AllocatorMeter, StepMeter
 from swapopt_core._planning.floor import format_bytes
 from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.whole_step import (
@@ -89,7 +89,7 @@ class StepBudget:
         self.executor = executor
         self.plan: StepPlan | None = None
         self.step_peak = 0
-        self._meter: Any = None
+        self._meter: StepMeter | None = None
         self._planned_once = False
         params = list(_unique_storages(self._params()).values())
         self.params_bytes = sum(p.untyped_storage().nbytes() for p in params)
@@ -122,10 +122,10 @@ class StepBudget:
         self._inputs: StepInputs | None = None  # what the current plan was made from
         self._update_start = 0
         self._to_meter = METERED_STEPS  # steps a storage-counting meter still watches
-        self._handles = [
-            optimizer.register_step_pre_hook(self._before_step),
-            optimizer.register_step_post_hook(self._after_step),
-        ]
+        # The hooks live as long as the optimizer; they are what makes opt.step() part of
+        # the plan.
+        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_post_hook(self._after_step)
 
     def _params(self) -> Iterator[torch.Tensor]:
         for group in self.optimizer.param_groups:
@@ -338,12 +338,7 @@ class StepBudget:
             "resident_state_fraction": config.resident_state_fraction,
             "swap_times": config.swap_times,
             "prefetch_batches": config.prefetch_batches,
-            "activation_budget_bytes": (
-                None if plan is not None and plan.moves_nothing else self.executor.budget_bytes
-            ),
+            "activation_budget_bytes": None
+            if self.keeps_activations
+            else self.executor.budget_bytes,
         }
-
-    def close(self) -> None:
-        """Remove the step hooks (the session is done with the optimizer)."""
-        for handle in self._handles:
-            handle.remove()

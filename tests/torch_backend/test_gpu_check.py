@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-SECTIONS = ["cuda_tests", "bandwidth", "adamw", "offload"]
+SECTIONS = ["cuda_tests", "bandwidth", "adamw", "offload", "device_budget"]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -72,6 +72,10 @@ def test_smoke_run_prints_every_section_and_bitwise_equality(tmp_path: Path) -> 
     assert offload["grads_bitwise_equal"] is True
     assert offload["stats"]["replays"] >= 1 and offload["stats"]["d2h_bytes"] > 0
     assert offload["budget_bytes"] == pytest.approx(0.5 * offload["natural_peak_bytes"], abs=1)
+    budget = sections["device_budget"]["result"]
+    assert budget["params_bitwise_equal"] is True
+    assert budget["stats"]["planned_step_peak_device_bytes"] <= budget["target_bytes"]
+    assert budget["step_peak_device_bytes"] > 0
     tests = sections["cuda_tests"]["result"]
     assert tests["ok"] and tests["junit_found"] and tests["test_cuda_py"]["total"] > 0
     assert report["summary"]["ok"] is True and report["summary"]["failed_checks"] == []
@@ -106,7 +110,7 @@ def test_a_section_out_of_time_is_skipped(
     # A budget below every section's minimum: nothing runs, each says why.
     assert script.main(["--cpu-smoke", "--budget-s", "0.01"]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert [s["status"] for s in report["sections"].values()] == ["skipped"] * 4
+    assert [s["status"] for s in report["sections"].values()] == ["skipped"] * len(script.SECTIONS)
     assert all("out of time" in s["reason"] for s in report["sections"].values())
 
 

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from swapopt_core._estimate.profiles import read_json
 
 __all__ = ["ModelSpec", "loss_of", "model_spec"]
 
@@ -67,12 +68,7 @@ def model_spec(text: str, dtype: str | None = None) -> ModelSpec:
 
 
 def _config_spec(path: str, dtype: str | None) -> ModelSpec:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as error:
-        raise ValueError(f"--model {path}: cannot be read ({error.strerror}).") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"--model {path}: not a JSON config ({error}).") from None
+    data = read_json("--model", path, "a JSON config")
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(
             f"--model {path}: not a transformers config (no 'model_type' key); pass the "

@@ -35,7 +35,14 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUILTIN_PROFILES", "PROFILE_KEYS", "DeviceProfile", "load_profile", "profile_named"]
+__all__ = [
+    "BUILTIN_PROFILES",
+    "PROFILE_KEYS",
+    "DeviceProfile",
+    "load_profile",
+    "profile_named",
+    "read_json",
+]
 
 #: The number keys of a profile file, with what each means.
 PROFILE_KEYS = {
@@ -97,6 +104,17 @@ def profile_named(name: str) -> DeviceProfile:
     return BUILTIN_PROFILES[key]
 
 
+def read_json(flag: str, path: str, what: str) -> object:
+    """The JSON in ``path``, or a ``ValueError`` naming ``flag``, the path and the fault
+    (``what`` says what the file should be, e.g. ``"JSON"``, ``"a JSON config"``)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot be read ({error.strerror}).") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{flag} {path}: not {what} ({error}).") from None
+
+
 def load_profile(path: str) -> DeviceProfile:
     """Read a profile file (a JSON object with every key of :data:`PROFILE_KEYS`).
 
@@ -104,12 +122,7 @@ def load_profile(path: str) -> DeviceProfile:
         ValueError: The file cannot be read, is not a JSON object, lacks a key, or has a value
             that is not a finite number > 0; the message names the file, the key and the fix.
     """
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as error:
-        raise ValueError(f"--profile {path}: cannot be read ({error.strerror}).") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"--profile {path}: not JSON ({error}).") from None
+    data = read_json("--profile", path, "JSON")
     example = ", ".join(f'"{key}": ...' for key in PROFILE_KEYS)
     if not isinstance(data, dict):
         raise ValueError(f"--profile {path}: expected a JSON object {{{example}}}.")

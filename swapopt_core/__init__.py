@@ -11,7 +11,7 @@ from swapopt_core._api import (
 )
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import CopyPair, TransferRuntime
-from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._errors import SwapOptError, SwapOptWarning, UnsupportedOptimizerError
 from swapopt_core._mindspore import MindSporeAdapter
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
@@ -37,6 +37,7 @@ __all__ = [
     "StateFactory",
     "SwapOptError",
     "SwapOptWarning",
+    "UnsupportedOptimizerError",
     "SwapOptimizerConfig",
     "SwapStats",
     "TransferRuntime",

@@ -18,7 +18,7 @@ import pluggy
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._device.registry import shared_runtime
-from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._errors import SwapOptError, SwapOptWarning, UnsupportedOptimizerError
 from swapopt_core._launch import note_swapped
 from swapopt_core._plugins import (
     engine_classes,
@@ -130,13 +130,9 @@ def _pick_adapter(
     adapters = optimizer_adapters(manager, framework)
     adapter = next((a for a in adapters if a.matches(optimizer)), None)
     if adapter is None:
-        families = sorted({a.family for a in adapters})
-        raise SwapOptError(
-            f"swapopt cannot swap {type(optimizer).__module__}.{type(optimizer).__qualname__}. "
-            f"Supported {framework} optimizer families: {', '.join(families)}. A plugin adds a "
-            "family by implementing swapopt_register_optimizer_adapters (see docs/plugins.md)."
-        )
-    if config.state_keys is not None:
+        raise UnsupportedOptimizerError(_unserved(optimizer, adapters, framework))
+    # The generic path keeps whatever state the family creates: any name may be asked for.
+    if config.state_keys is not None and not getattr(adapter, "whole_tensors", False):
         unknown = [k for k in config.state_keys if k not in adapter.state_key_names]
         if unknown:
             raise ValueError(
@@ -151,6 +147,33 @@ def _pick_adapter(
         )
     adapter.validate(optimizer)
     return adapter
+
+
+def _unserved(optimizer: object, adapters: list[Any], framework: str) -> str:
+    """Why no adapter serves ``optimizer``, and what to do about it."""
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if framework != "torch":
+        families = ", ".join(sorted({a.family for a in adapters}))
+        return (
+            f"swapopt cannot swap {name}. Served {framework} optimizer families: {families}. "
+            "A plugin adds a family by implementing swapopt_register_optimizer_adapters (see "
+            "docs/plugins.md)."
+        )
+    # The generic torch path knows which optimizers read across parameters, and how a class
+    # says it does not.
+    from swapopt_core._torch.per_parameter import PER_PARAMETER_ATTR, refusal
+
+    reason = refusal(optimizer)
+    if reason is not None:
+        return f"swapopt cannot swap {name}: {reason}. Leave it unswapped."
+    families = ", ".join(sorted({a.family for a in adapters}))
+    return (
+        f"swapopt cannot swap {name}: it is not one of the served torch families ({families}) "
+        f"and does not declare itself per parameter. If its step updates each parameter from "
+        f"that parameter's gradient and state only, set the class attribute "
+        f"{PER_PARAMETER_ATTR} = True and swapopt runs that step on one batch of parameters "
+        "at a time; otherwise leave it unswapped."
+    )
 
 
 def swap_optimizer(

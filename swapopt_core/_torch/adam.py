@@ -14,7 +14,7 @@ import torch
 from torch.optim.adam import adam
 from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
 
-from swapopt_core._errors import SwapOptError
+from swapopt_core._errors import UnsupportedOptimizerError
 from swapopt_core._torch.adapter import OptimizerAdapter, StateFactory
 
 
@@ -38,7 +38,7 @@ class TorchAdamAdapter(OptimizerAdapter):
                 ("capturable", "graph capture cannot include host copies"),
             ):
                 if group.get(flag):
-                    raise SwapOptError(
+                    raise UnsupportedOptimizerError(
                         f"{name} param_groups[{index}] has {flag}=True, which swapopt does not "
                         f"support ({fix}). Create the optimizer with {flag}=False to swap it."
                     )

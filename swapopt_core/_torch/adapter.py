@@ -62,8 +62,12 @@ class TorchAdapterProtocol(SwapAdapter, Protocol):
         """
 
     @abstractmethod
-    def state_keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
-        """The swappable state entries for parameters of ``group``, in layout order."""
+    def state_keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...] | None:
+        """The swappable state entries for parameters of ``group``, in layout order.
+
+        ``None``: whatever tensor entries the family keeps (the generic per-parameter path);
+        each entry of at least one dimension is swapped if it is large enough.
+        """
 
     def init_state(
         self,

@@ -94,9 +94,19 @@ class StateBook:
 
     # ---- what is swapped -----------------------------------------------------------------
 
-    def keys(self, group: MutableMapping[str, Any]) -> tuple[str, ...]:
-        """The state keys swapped for parameters of ``group``: the adapter's, as configured."""
+    def keys(
+        self, group: MutableMapping[str, Any], state: MutableMapping[str, Any] | None = None
+    ) -> tuple[str, ...]:
+        """The state keys swapped for a parameter of ``group`` whose state is ``state``: the
+        adapter's, as configured. A family that names none (``state_keys`` is ``None``)
+        swaps its tensor entries of at least one dimension: scalars (step counters) stay."""
         keys = self.adapter.state_keys(group)
+        if keys is None:
+            keys = tuple(
+                k
+                for k, v in (state or {}).items()
+                if isinstance(v, torch.Tensor) and local_tensor(v).dim() > 0
+            )
         wanted = self.config.state_keys
         return keys if wanted is None else tuple(k for k in keys if k in wanted)
 
@@ -127,9 +137,9 @@ class StateBook:
         ours = {id(slot.value) for slot in self.slots.values()}  # alive: ids are unique
         count = 0
         for group in opt.param_groups:
-            keys = self.keys(group)
             for param in group["params"]:
                 state = opt.state.get(param, {})
+                keys = self.keys(group, state)
                 count += sum(
                     1
                     for key in keys
@@ -168,12 +178,16 @@ class StateBook:
     def adopt_loaded(self, pending: dict[SlotKey, torch.Tensor]) -> None:
         """Replace every slot by the entries a checkpoint load set aside (``pending``)."""
         self.slots.clear()
+        loaded: dict[int, dict[str, torch.Tensor]] = {}
+        for (owner, key), value in pending.items():
+            loaded.setdefault(owner, {})[key] = value
         for group in self.optimizer.param_groups:
             for param in group["params"]:
-                for key in self.keys(group):
-                    value = pending.get((id(param), key))
-                    if value is None:
+                for key in self.keys(group, loaded.get(id(param))):
+                    entry = pending.get((id(param), key))
+                    if entry is None:
                         continue
+                    value = entry
                     local = local_tensor(value)
                     if local_tensor(param).is_floating_point():
                         # Cast like torch's loader does, but into host memory, not the device.
@@ -235,18 +249,17 @@ class StateBook:
             for group in opt.param_groups:
                 for param in group["params"]:
                     if param.grad is not None and not opt.state.get(param):
-                        self._init_state(group, param, self.keys(group))
+                        self._init_state(group, param, self.keys(group, {}))
         self._place_resident()
         units: list[Unit] = []
         ordered: list[Slot] = []
         live: set[SlotKey] = set()
         for index, group in enumerate(opt.param_groups):
-            keys = self.keys(group)
             for param in group["params"]:
                 grad = param.grad if stepping else None
                 state = opt.state.get(param)
                 slots = []
-                for key in keys if state else ():
+                for key in self.keys(group, state) if state else ():
                     assert state is not None
                     slot = self._slot(param, key, state)
                     if slot is not None:
@@ -274,9 +287,9 @@ class StateBook:
         params: list[torch.Tensor] = []
         costs: list[int] = []
         for group in opt.param_groups:
-            keys = self.keys(group)
             for param in group["params"]:
                 state = opt.state.get(param) or {}
+                keys = self.keys(group, state)
                 costs.append(
                     sum(_nbytes(state[k]) for k in keys if self._counted(param, k, state.get(k)))
                 )
@@ -318,9 +331,10 @@ class StateBook:
         counters), on the device of a parameter the runtime serves."""
         total = 0
         for group in self.optimizer.param_groups:
-            keys = self.keys(group)
             for param in group["params"]:
-                for key, value in (self.optimizer.state.get(param) or {}).items():
+                state = self.optimizer.state.get(param) or {}
+                keys = self.keys(group, state)
+                for key, value in state.items():
                     if not isinstance(value, torch.Tensor) or (
                         key in keys and self._counted(param, key, value)
                     ):

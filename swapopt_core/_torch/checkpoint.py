@@ -86,11 +86,11 @@ class CheckpointHooks:
         if len(saved_groups) != len(opt.param_groups):
             return state_dict  # torch's loader reports the mismatch
         for saved, group in zip(saved_groups, opt.param_groups, strict=True):
-            keys = engine.swapped_keys(saved)
             for saved_id, param in zip(saved["params"], group["params"], strict=False):
                 entry = saved_state.get(saved_id)
                 if not isinstance(entry, dict):
                     continue
+                keys = engine.swapped_keys(saved, entry)
                 moved = {k: v for k, v in entry.items() if k in keys and engine.swappable(param, v)}
                 if moved:
                     stripped[saved_id] = {k: v for k, v in entry.items() if k not in moved}

@@ -110,10 +110,11 @@ class SwapEngine(EngineBase):
         except BaseException:
             self._restore_state()
             raise
-        self._unsilence = self.adapter.silence(opt)
         step_post = opt.register_step_post_hook(self._post_step)
         # Before post-hooks the user registered earlier: they expect an updated model.
         opt._optimizer_step_post_hooks.move_to_end(step_post.id, last=False)  # type: ignore[attr-defined]
+        # After ours: hooks the adapter adds to silence the family's update go first.
+        self._unsilence = self.adapter.silence(opt)
         self._handles = [step_post, *self.checkpoint.attach()]
         self.prefetch.watch(self._params())
         setattr(opt, ENGINE_ATTR, self)
@@ -164,9 +165,9 @@ class SwapEngine(EngineBase):
         self.prefetch.drop()
         self.quiesce()
 
-    def swapped_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """The state keys swapped for parameters of ``group``."""
-        return self.book.keys(group)
+    def swapped_keys(self, group: dict[str, Any], state: dict[str, Any]) -> tuple[str, ...]:
+        """The state keys swapped for a parameter of ``group`` whose state is ``state``."""
+        return self.book.keys(group, state)
 
     def swappable(self, param: torch.Tensor, value: object) -> bool:
         """Whether state entry ``value`` of ``param`` can live in host memory."""
@@ -212,7 +213,10 @@ class SwapEngine(EngineBase):
         opt = self.optimizer
         self.adapter.validate(opt)
         check_params(opt.param_groups)
-        check_grads(opt.param_groups, self.adapter.family)
+        if not getattr(self.adapter, "whole_tensors", False):
+            # The generic path hands each gradient to the family's own step, which knows
+            # whether it takes sparse ones (SparseAdam does).
+            check_grads(opt.param_groups, self.adapter.family)
         self.prefetch.watch(self._params())
         return TorchStep(opt, self.adapter, self.book, self._sync(stepping=True))
 

@@ -13,12 +13,14 @@ from swapopt_core._swap.engine import EngineBase
 from swapopt_core._torch.adam import TorchAdamAdapter
 from swapopt_core._torch.adapter import OptimizerAdapter
 from swapopt_core._torch.engine import SwapEngine
+from swapopt_core._torch.per_parameter import PerParameterAdapter
 from swapopt_core.hookspecs import hookimpl
 
 
 @hookimpl
 def swapopt_register_optimizer_adapters() -> Iterable[OptimizerAdapter]:
-    return [TorchAdamAdapter()]
+    # Asked in order: the dedicated Adam path before the generic one.
+    return [TorchAdamAdapter(), PerParameterAdapter()]
 
 
 @hookimpl

@@ -84,30 +84,34 @@ class TorchStep:
 
     def _update(self, units: Sequence[Unit], views: dict[Any, Any]) -> None:
         opt = self.optimizer
+        # The generic path runs the family's own step, which reads each parameter's
+        # gradient and keeps DTensor state as DTensors; the Adam path works on local shards.
+        whole = getattr(self.adapter, "whole_tensors", False)
         by_group: dict[int, list[Unit]] = {}
         for unit in units:
             by_group.setdefault(unit.group, []).append(unit)
         for index, members in by_group.items():
             group = opt.param_groups[index]
-            keys = self.book.keys(group)
             works = []
             for unit in members:
+                state = opt.state[unit.param]
                 work = {
-                    k: local_tensor(v) if isinstance(v, torch.Tensor) else v
-                    for k, v in opt.state[unit.param].items()
+                    k: v if whole or not isinstance(v, torch.Tensor) else local_tensor(v)
+                    for k, v in state.items()
                 }
                 for slot in unit.slots:
-                    work[slot.key] = views[slot]
+                    view = views[slot]
+                    work[slot.key] = wrap_like(view, state[slot.key]) if whole else view
                 works.append(work)
             self.adapter.update(
                 opt,
                 group,
-                [local_tensor(u.param) for u in members],
-                [local_tensor(u.grad) for u in members],
+                [u.param if whole else local_tensor(u.param) for u in members],
+                [u.grad if whole else local_tensor(u.grad) for u in members],
                 works,
             )
             for unit, work in zip(members, works, strict=True):
-                self._store(unit, work, keys, views)
+                self._store(unit, work, self.book.keys(group, work), views)
 
     def _store(
         self, unit: Unit, work: dict[str, Any], keys: tuple[str, ...], views: dict[Any, Any]
@@ -118,18 +122,24 @@ class TorchStep:
         for key, value in work.items():
             slot = swapped.get(key)
             if slot is not None:
-                if value is not views[slot]:
-                    views[slot].copy_(value)
+                local = local_tensor(value)
+                if local is not views[slot]:
+                    views[slot].copy_(local)
                 continue
             old = state.get(key)
             if old is not None and (old is value or local_tensor(old) is value):
                 continue
             if key in keys and self.book.swappable(unit.param, value):
                 # Created by the update (SGD momentum): take it to host memory right away.
-                self.book.adopt(unit.param, key, wrap_like(value, unit.param), settled=True)
+                self.book.adopt(unit.param, key, _laid_out(value, unit.param), settled=True)
             else:
                 like = old if isinstance(old, torch.Tensor) else unit.param
-                state[key] = wrap_like(value, like) if isinstance(value, torch.Tensor) else value
+                state[key] = _laid_out(value, like) if isinstance(value, torch.Tensor) else value
+
+
+def _laid_out(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` with ``like``'s distributed layout, unless it has one of its own already."""
+    return value if local_tensor(value) is not value else wrap_like(value, like)
 
 
 def check_params(groups: Sequence[MutableMapping[str, Any]]) -> None:

@@ -12,6 +12,7 @@ from swapopt_core import (
     SwapOptError,
     SwapOptimizerConfig,
     SwapOptWarning,
+    UnsupportedOptimizerError,
     is_swap_optimizer,
     swap_optimizer,
     swap_stats,
@@ -33,14 +34,30 @@ def _params() -> list[torch.nn.Parameter]:
     return list(torch.nn.Linear(64, 64).parameters())
 
 
-def test_unsupported_optimizer_lists_families_and_the_plugin_hook() -> None:
-    opt = torch.optim.RMSprop(_params())
-    with pytest.raises(SwapOptError) as info:
+def test_lbfgs_is_refused_by_what_it_is() -> None:
+    opt = torch.optim.LBFGS(_params())
+    with pytest.raises(UnsupportedOptimizerError) as info:
         swap_optimizer(opt, LOOPBACK)
     message = str(info.value)
-    assert "torch.optim.rmsprop.RMSprop" in message
+    assert "torch.optim.lbfgs.LBFGS" in message
+    assert "closure over all parameters" in message
+    assert not is_swap_optimizer(opt)
+
+
+def test_undeclared_optimizer_is_told_how_to_declare_itself() -> None:
+    class Lion(torch.optim.Optimizer):
+        def __init__(self, params) -> None:  # noqa: ANN001
+            super().__init__(params, {"lr": 1e-4})
+
+        def step(self, closure=None):  # noqa: ANN001, ANN201
+            return None
+
+    with pytest.raises(UnsupportedOptimizerError) as info:
+        swap_optimizer(Lion(_params()), LOOPBACK)
+    message = str(info.value)
+    assert "Lion" in message
     assert "torch.optim.Adam / torch.optim.AdamW" in message
-    assert "swapopt_register_optimizer_adapters" in message
+    assert "swapopt_per_parameter = True" in message
 
 
 def test_adam_subclass_with_its_own_step_is_not_mistaken_for_adam() -> None:

@@ -1,0 +1,261 @@
+"""The generic torch path: an optimizer's own ``step``, on one batch of parameters at a time.
+
+Every torch.optim family but LBFGS updates each parameter from its own gradient and its own
+state, so running the family's ``step`` on a batch of parameters gives the same bits as
+running it on all of them. ``PerParameterAdapter.update`` does exactly that: for the length of
+one call, the optimizer sees a single group holding the batch's parameters, and a state whose
+swapped entries are the device copies the engine brought in. Every flag (``foreach``,
+``fused``, ``maximize``, ``nesterov``, Muon's ``adjust_lr_fn``, ...) keeps its meaning because
+the family's own code reads it; state of any name is swapped (``StateBook`` decides by what
+the entry is: a tensor of at least one dimension, floating point, ``min_numel`` or larger),
+step counters and other scalars stay where the family put them.
+
+The optimizer's own ``step()`` must still run the closure and return its loss, yet update
+nothing: ``silence`` hides the groups once the closure has run, and shows them again before
+the engine's step post-hook runs the batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+from swapopt_core._errors import SwapOptError, UnsupportedOptimizerError
+from swapopt_core._torch.adapter import OptimizerAdapter, StateFactory
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PER_PARAMETER_ATTR", "PerParameterAdapter", "refusal"]
+
+#: A class (or instance) attribute by which a ``torch.optim.Optimizer`` subclass says whether
+#: its ``step`` updates each parameter from that parameter's gradient and state only.
+PER_PARAMETER_ATTR = "swapopt_per_parameter"
+
+
+def _torch_families() -> tuple[type, ...]:
+    """The torch.optim classes whose ``step`` is per parameter (Adam and AdamW have a
+    dedicated adapter; it is asked first)."""
+    optim = torch.optim
+    names: tuple[str, ...] = ("SGD", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam")
+    names += ("RAdam", "RMSprop", "Rprop", "SparseAdam", "Adafactor", "Muon")
+    return tuple(getattr(optim, name) for name in names if hasattr(optim, name))
+
+
+#: Classes outside torch known to be per parameter, by ``module.qualname`` (not imported).
+_KNOWN_ELSEWHERE = ("transformers.optimization.Adafactor",)
+
+#: Optimizers whose update cannot run one batch at a time, and why.
+_CROSS_PARAMETER = {
+    "torch.optim.lbfgs.LBFGS": (
+        "its step re-evaluates the closure over all parameters at once (line search, one "
+        "flat history of every parameter's change), so it cannot run one batch at a time"
+    ),
+}
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _step_owner(cls: type) -> type:
+    """The class in ``cls``'s MRO whose ``step`` the optimizer runs."""
+    return next(k for k in cls.__mro__ if "step" in vars(k))
+
+
+def refusal(optimizer: object) -> str | None:
+    """Why ``optimizer`` cannot be swapped by running its step per batch, if it is known not
+    to be (LBFGS, or a class that declares ``swapopt_per_parameter = False``)."""
+    declared = getattr(optimizer, PER_PARAMETER_ATTR, None)
+    if declared is False:
+        return f"it declares {PER_PARAMETER_ATTR} = False (its update reads across parameters)"
+    for cls in type(optimizer).__mro__:
+        reason = _CROSS_PARAMETER.get(_name(cls))
+        if reason is not None:
+            return reason
+    return None
+
+
+def own_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """``optimizer``'s class ``step`` without torch's hook wrapper.
+
+    torch wraps each optimizer class's ``step`` once, in a function that runs the step pre-
+    and post-hooks (ours among them); a batch's update must not run them again.
+    """
+    step: Callable[..., Any] = type(optimizer).step
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
+class _Hiding:
+    """Hides an optimizer's groups from its own ``step`` between its closure and the engine.
+
+    While hidden, ``optimizer.param_groups`` is an empty list: a step that has already run
+    its closure loops over no group and returns the closure's loss.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.groups: list[dict[str, Any]] | None = None
+
+    def hide(self) -> None:
+        if self.groups is None:
+            self.groups = self.optimizer.param_groups
+            self.optimizer.param_groups = []
+
+    def show(self) -> bool:
+        """Put the groups back; whether they were hidden."""
+        if self.groups is None:
+            return False
+        self.optimizer.param_groups = self.groups
+        self.groups = None
+        return True
+
+    def before_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Step pre-hook: hand the step a closure that hides the groups once it returned."""
+        self.show()  # a step that raised after hiding left them hidden
+        # ``args`` starts with the optimizer itself; the closure follows, or is a keyword.
+        positional = len(args) > 1
+        closure = args[1] if positional else kwargs.get("closure")
+
+        def closure_then_hide() -> Any:
+            loss = closure() if closure is not None else None
+            self.hide()
+            return loss
+
+        if positional:
+            return (args[0], closure_then_hide, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_then_hide}
+
+    def after_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Step post-hook, ahead of the engine's: the groups are back for the batches."""
+        if not self.show():
+            raise SwapOptError(
+                f"{type(optimizer).__name__}.step() returned without calling its closure, so "
+                "it may have updated its parameters itself; swapopt needs a step that calls "
+                "its closure before updating. Leave this optimizer unswapped."
+            )
+
+
+class PerParameterAdapter(OptimizerAdapter):
+    """Every optimizer whose update is per parameter, through its own ``step``.
+
+    Serves the per-parameter torch.optim families (all but LBFGS; Adam and AdamW go to their
+    dedicated adapter first), transformers' ``Adafactor``, any ``torch.optim.Optimizer``
+    whose class sets ``swapopt_per_parameter = True``, and the ``classes`` given here (a
+    plugin registers ``PerParameterAdapter(classes=(MyOptimizer,))`` through
+    ``swapopt_register_optimizer_adapters``). A subclass of a served family that overrides
+    ``step`` is served only if it declares itself.
+
+    Args:
+        classes: More optimizer classes to serve (with their subclasses that keep ``step``).
+    """
+
+    family = "per-parameter torch optimizers (their own step)"
+    #: The state names the torch families keep; a declared class may keep others.
+    state_key_names = (
+        "momentum_buffer",
+        "sum",
+        "square_avg",
+        "acc_delta",
+        "exp_avg",
+        "exp_avg_sq",
+        "exp_inf",
+        "ax",
+        "grad_avg",
+        "prev",
+        "step_size",
+        "row_var",
+        "col_var",
+        "variance",
+        "exp_avg_sq_row",
+        "exp_avg_sq_col",
+    )
+    whole_tensors = True
+
+    def __init__(self, classes: Iterable[type] = ()) -> None:
+        self.classes = tuple(classes)
+        for cls in self.classes:
+            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+                raise TypeError(
+                    f"PerParameterAdapter(classes=...) takes torch.optim.Optimizer subclasses, "
+                    f"got {cls!r}."
+                )
+
+    def matches(self, optimizer: torch.optim.Optimizer) -> bool:
+        if not isinstance(optimizer, torch.optim.Optimizer) or refusal(optimizer) is not None:
+            return False
+        if getattr(optimizer, PER_PARAMETER_ATTR, None) is True:
+            return True
+        owner = _step_owner(type(optimizer))
+        return owner in self.classes or (
+            owner in _torch_families() or _name(owner) in _KNOWN_ELSEWHERE
+        )
+
+    def validate(self, optimizer: torch.optim.Optimizer) -> None:
+        name = type(optimizer).__name__
+        for index, group in enumerate(optimizer.param_groups):
+            if group.get("differentiable"):
+                raise UnsupportedOptimizerError(
+                    f"{name} param_groups[{index}] has differentiable=True, which swapopt "
+                    "does not support (differentiating through the step needs the state "
+                    "resident). Create the optimizer with differentiable=False to swap it."
+                )
+
+    def state_keys(self, group: MutableMapping[str, Any]) -> None:
+        return None  # whatever the family keeps: StateBook decides entry by entry
+
+    def init_state(
+        self,
+        group: MutableMapping[str, Any],
+        param: torch.Tensor,
+        state: MutableMapping[str, Any],
+        make: StateFactory,
+    ) -> None:
+        """Nothing: the family creates its state in its own step, and the engine takes what
+        it created into host memory right after the batch."""
+
+    def silence(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        """Hide the groups from the optimizer's own update (see ``_Hiding``).
+
+        The pre-hook runs after the user's; the post-hook goes first, ahead of the engine's
+        (which is registered before this is called).
+        """
+        hiding = _Hiding(optimizer)
+        pre = optimizer.register_step_pre_hook(hiding.before_step)
+        post = optimizer.register_step_post_hook(hiding.after_step)
+        optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)  # type: ignore[attr-defined]
+
+        def undo() -> None:
+            hiding.show()
+            pre.remove()
+            post.remove()
+
+        return undo
+
+    def update(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group: MutableMapping[str, Any],
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        states: Sequence[MutableMapping[str, Any]],
+    ) -> None:
+        """Run the family's own step with ``group`` holding ``params`` only and ``states``
+        as their state; the group's other settings are read as they are."""
+        groups, state, members = optimizer.param_groups, optimizer.state, group["params"]
+        group["params"] = list(params)
+        optimizer.param_groups = [group]  # type: ignore[list-item]
+        optimizer.state = defaultdict(dict, zip(params, states, strict=True))
+        try:
+            own_step(optimizer)(optimizer)
+        finally:
+            group["params"] = members
+            optimizer.param_groups = groups
+            optimizer.state = state

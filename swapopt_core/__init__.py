@@ -18,6 +18,7 @@ from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 from swapopt_core._plugins import get_plugin_manager, new_plugin_manager, runtime_names
 from swapopt_core._stats import SwapStats
 from swapopt_core._torch.adapter import OptimizerAdapter, StateFactory
+from swapopt_core._torch.per_parameter import PerParameterAdapter
 from swapopt_core.hookspecs import hookimpl
 
 #: The interface of the activation runtimes, which is the one every runtime implements.
@@ -32,6 +33,7 @@ __all__ = [
     "OffloadSession",
     "OffloadStats",
     "OptimizerAdapter",
+    "PerParameterAdapter",
     "ResidencyPlanner",
     "ResidencySchedule",
     "StateFactory",

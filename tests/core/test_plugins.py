@@ -19,6 +19,7 @@ from swapopt_core import (
     OffloadConfig,
     OffloadSession,
     OptimizerAdapter,
+    PerParameterAdapter,
     SwapOptError,
     SwapOptimizerConfig,
     TransferRuntime,
@@ -307,13 +308,13 @@ def test_plugin_adds_sgd_momentum_swapped_bit_exactly(
     assert stats.h2d_bytes > 0 and stats.d2h_bytes > 0
 
 
-def test_sgd_without_the_plugin_is_refused_with_the_supported_list(
+def test_sgd_without_the_plugin_takes_the_built_in_generic_path(
     plugin_manager: pluggy.PluginManager,
 ) -> None:
     opt = torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9)
-    pattern = r"torch\.optim\.Adam.*swapopt_register_optimizer_adapters"
-    with pytest.raises(SwapOptError, match=pattern):
-        swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback"), plugin_manager=plugin_manager)
+    swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback"), plugin_manager=plugin_manager)
+    engine = engine_of(opt)
+    assert engine is not None and isinstance(engine.adapter, PerParameterAdapter)
 
 
 class _NamedLoopback(TransferRuntime):

@@ -18,7 +18,7 @@ import pluggy
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._device.registry import shared_runtime
-from swapopt_core._errors import SwapOptError, SwapOptWarning
+from swapopt_core._errors import SwapOptError, SwapOptWarning, UnsupportedOptimizerError
 from swapopt_core._launch import note_swapped
 from swapopt_core._plugins import (
     engine_classes,
@@ -131,7 +131,7 @@ def _pick_adapter(
     adapter = next((a for a in adapters if a.matches(optimizer)), None)
     if adapter is None:
         families = sorted({a.family for a in adapters})
-        raise SwapOptError(
+        raise UnsupportedOptimizerError(
             f"swapopt cannot swap {type(optimizer).__module__}.{type(optimizer).__qualname__}. "
             f"Supported {framework} optimizer families: {', '.join(families)}. A plugin adds a "
             "family by implementing swapopt_register_optimizer_adapters (see docs/plugins.md)."

@@ -220,3 +220,49 @@ def test_explicit_swap_still_raises() -> None:
     opt = torch.optim.LBFGS([nn.Parameter(torch.zeros(4))])
     with pytest.raises(UnsupportedOptimizerError, match="cannot swap torch.optim.lbfgs.LBFGS"):
         swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback"))
+
+
+# ---- Transformers ----------------------------------------------------------------------------
+
+
+class UndeclaredMomentum(torch.optim.Optimizer):
+    """A third-party optimizer that does not declare its update per parameter."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                    p.add_(buf.mul_(0.9).add_(p.grad), alpha=-group["lr"])
+
+
+def test_transformers_trainer_with_an_unserved_optimizer(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    import _transformers_tiny as tiny
+
+    from swapopt_plugins.transformers import SwapOptimizerCallback
+
+    def train(out: str, callbacks: list) -> Any:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        model = tiny.model()
+        trainer = tiny.Trainer(
+            model=model,
+            args=tiny.arguments(tmp_path / out),
+            train_dataset=tiny.Tokens(),
+            callbacks=callbacks,
+            optimizers=(UndeclaredMomentum(model.parameters(), lr=1e-2), None),
+        )
+        trainer.train()
+        return trainer
+
+    plain = train("plain", [])
+    swapped, said = _recorded(lambda: train("swap", [SwapOptimizerCallback(M.LOOPBACK)]))
+    assert len(said) == 1 and f"{__name__}.UndeclaredMomentum" in said[0], said
+    _assert_same(plain.model, swapped.model)
+    a, b = plain.optimizer.state_dict()["state"], swapped.optimizer.state_dict()["state"]
+    assert a.keys() == b.keys() and all(torch.equal(a[i]["buf"], b[i]["buf"]) for i in a)

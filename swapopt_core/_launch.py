@@ -56,7 +56,8 @@ def swapped_count() -> int:
 
 
 def note_nothing_to_swap() -> None:
-    """Count one integration that found no optimizer to swap and told the user so."""
+    """Count one integration that found no optimizer to swap (or one it cannot serve, left
+    unswapped) and told the user so."""
     global _nothing_to_swap
     _nothing_to_swap += 1
 

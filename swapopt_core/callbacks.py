@@ -39,9 +39,9 @@ from swapopt_core import (
     SwapOptimizerConfig,
     is_swap_optimizer,
     offload_optimizer_state,
-    swap_optimizer,
     unswap_optimizer,
 )
+from swapopt_core._automatic import refused, swap_automatically
 from swapopt_core._budget import budget_session, check_one_optimizer, with_device_budget
 from swapopt_core._launch import note_nothing_to_swap, warn_without_run
 from swapopt_core._refusals import deepspeed_offloads, engine_refusal
@@ -158,6 +158,7 @@ class SwapCallbackCore:
         self._window_key = _BATCH_START
         self._in_batch = False
         self._automatic = True
+        self._unplanned = False  # a device budget whose optimizer swapopt cannot serve
 
     def __getstate__(self) -> dict[str, Any]:
         # NOTE: ddp_spawn pickles callbacks into the workers; hooks and sessions stay here.
@@ -213,10 +214,12 @@ class SwapCallbackCore:
                     # NOTE: the first step would take it back anyway; this frees it now.
                     moved = offload_optimizer_state(opt)
                     self.say("swapopt: moved %d restored state tensors to host memory", moved)
-            elif self.swap_enabled and is_swap_optimizer(swap_optimizer(opt, self.config)):
+            elif self.swap_enabled and swap_automatically(opt, self.config):
                 self._installed.append(opt)
             if self.activation_offload is not None:
                 self._handles.append(opt.register_step_post_hook(self._after_step))
+        # NOTE: the budget plans the step of a swapped optimizer: without one it runs as plain.
+        self._unplanned = self.device_budget_mb is not None and any(map(refused, self._optimizers))
         self.say(
             "swapopt: optimizer swap on %d of %d optimizers (%s)%s",
             len(self._installed),
@@ -267,6 +270,8 @@ class SwapCallbackCore:
 
     def _enter(self) -> None:
         if self.activation_offload is None or self._open is not None or not self.active:
+            return
+        if self._unplanned:
             return
         # NOTE: one session per kind of window, so each replays the same ops: the window
         # opened at a batch start, and in manual optimization the one after each optimizer.

@@ -21,9 +21,9 @@ from swapopt_core import (
     OffloadSession,
     is_swap_optimizer,
     offload_optimizer_state,
-    swap_optimizer,
     unswap_optimizer,
 )
+from swapopt_core._automatic import swap_automatically
 from swapopt_core._budget import budget_session
 from swapopt_core.options import SwapSettings
 
@@ -131,8 +131,7 @@ class SwapState:
             inner = self.unwrap(obj)
             if is_swap_optimizer(inner):
                 logger.info("swapopt: %s was swapped already; kept", type(inner).__name__)
-            else:
-                swap_optimizer(inner, config)
+            elif swap_automatically(inner, config):  # one swapopt cannot serve stays as it is
                 note_swapped_by(inner, self)  # so that release() can take it back
             self.optimizers.append(obj)
 

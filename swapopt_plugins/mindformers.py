@@ -19,13 +19,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from swapopt_core import (
-    SwapOptError,
-    SwapOptimizerConfig,
-    is_swap_optimizer,
-    swap_optimizer,
-    swap_stats,
-)
+from swapopt_core import SwapOptError, SwapOptimizerConfig, is_swap_optimizer, swap_stats
+from swapopt_core._automatic import swap_automatically
 from swapopt_core.mindformers_yaml import (
     GRAPH_HINT,
     SwapOptimizerSection,
@@ -59,7 +54,9 @@ class SwapOptimizerCallback(TrainerCallback):
     already loaded any checkpoint by then, so the loaded state moves to host memory too.
     The swap stays installed after training (bringing the whole state back to the device
     at the end would undo the saving); ``unswap_optimizer(trainer.optimizer)`` removes it.
-    At ``on_train_end`` the callback logs ``swap_stats`` as one JSON line.
+    At ``on_train_end`` the callback logs ``swap_stats`` as one JSON line. An optimizer
+    swapopt cannot serve is left as it is with one ``SwapOptWarning`` (``SWAPOPT_STRICT=1``:
+    ``UnsupportedOptimizerError`` instead).
 
     Args:
         swap_times: Pipeline batches per step (an integer >= 1).
@@ -111,8 +108,8 @@ class SwapOptimizerCallback(TrainerCallback):
                 "SwapOptimizerCallback runs only in PyNative mode (ms.PYNATIVE_MODE); the "
                 f"context is in mode {ms.get_context('mode')}. {GRAPH_HINT}"
             )
-        swap_optimizer(optimizer, self._config)
-        if is_swap_optimizer(optimizer):
+        # An optimizer swapopt cannot serve trains unswapped, with one warning.
+        if swap_automatically(optimizer, self._config):
             if self._budget is not None:  # all state in host memory now: keep what fits
                 fit_device_budget(optimizer, self._budget)
             logger.info("swapopt: %s swapped with %s", type(optimizer).__name__, self._config)

@@ -101,11 +101,13 @@ def install_integrations() -> list[str]:
     Raises:
         ValueError: A ``SWAPOPT_*`` variable is invalid (an integration's message names it).
     """
+    from swapopt_core._automatic import strict_mode
     from swapopt_core._plugins import get_plugin_manager
     from swapopt_core.options import read_settings
 
     # Checked here too, so a bad value (or both budgets) stops the run with no framework.
     read_settings({}, owner="swapopt run")
+    strict_mode()
     os.environ[RUN_ENV] = "1"
     names = get_plugin_manager().hook.swapopt_install_integrations()
     return sorted({name for name in names if name})
@@ -138,7 +140,8 @@ def _warn_if_nothing_swapped() -> None:
     With ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` or ``SWAPOPT_DEVICE_BUDGET_MB``: no
     optimizer was swapped. With only an activation budget: no optimizer was swapped and no
     ``OffloadSession`` was created. Quiet when an integration already said that it had no
-    optimizer to swap (a Lightning module whose ``configure_optimizers`` returns None).
+    optimizer to swap (a Lightning module whose ``configure_optimizers`` returns None, an
+    optimizer swapopt cannot serve).
     """
     environ = os.environ
     if not _main_rank() or swapped_count() or nothing_to_swap_count():

@@ -1,0 +1,112 @@
+"""How the automatic ways in install a swap: an optimizer swapopt cannot serve is left alone.
+
+``swapopt run``, the integrations' callbacks and patches (Lightning, Accelerate,
+Transformers, MindFormers) swap optimizers the script never handed to swapopt itself. Each
+of them installs through ``swap_automatically``: an ``UnsupportedOptimizerError`` (LBFGS, a
+family no plugin serves, a flag that needs the state resident) leaves that optimizer as it
+is, with one ``SwapOptWarning`` per optimizer, and the script runs as it would without
+swapopt. ``SWAPOPT_STRICT=1`` turns the refusal back into the error. Every other error
+(a bad config value, an optimizer swapped with another config) propagates. An explicit
+``swap_optimizer(opt)`` call always raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+import weakref
+from collections.abc import Mapping
+
+from swapopt_core._api import is_swap_optimizer, swap_optimizer
+from swapopt_core._config import SwapOptimizerConfig
+from swapopt_core._errors import SwapOptWarning, UnsupportedOptimizerError
+from swapopt_core._launch import note_nothing_to_swap
+from swapopt_core._options import NO, YES, Invalid, parse_bool
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["STRICT_ENV", "refused", "strict_mode", "swap_automatically"]
+
+#: A yes word makes the automatic ways in raise ``UnsupportedOptimizerError``.
+STRICT_ENV = "SWAPOPT_STRICT"
+
+# The optimizers left unswapped, so each is named once (weakly held: they may go away).
+_refused: weakref.WeakSet[object] = weakref.WeakSet()
+_refused_ids: set[int] = set()  # optimizers that take no weak reference
+
+
+def strict_mode(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``SWAPOPT_STRICT`` asks the automatic ways in to raise; unset or empty: no.
+
+    Raises:
+        ValueError: The variable holds something other than a yes/no word; the message
+            names it, shows the value and lists the accepted words.
+    """
+    raw = (os.environ if environ is None else environ).get(STRICT_ENV, "")
+    if not raw.strip():
+        return False
+    try:
+        return parse_bool(raw)
+    except Invalid:
+        raise ValueError(
+            f"environment variable {STRICT_ENV}={raw!r} is invalid; accepted (any case): "
+            f"{'/'.join(YES)} to raise for an optimizer swapopt cannot serve, "
+            f"{'/'.join(NO)} or empty to leave it unswapped with a warning."
+        ) from None
+
+
+def refused(optimizer: object) -> bool:
+    """Whether ``swap_automatically`` left ``optimizer`` unswapped as one it cannot serve."""
+    try:
+        return optimizer in _refused
+    except TypeError:  # neither hashable nor weakly referable: known by its id
+        return id(optimizer) in _refused_ids
+
+
+def _first_time(optimizer: object) -> bool:
+    """Whether ``optimizer`` is refused now for the first time (and note it)."""
+    if refused(optimizer):
+        return False
+    try:
+        _refused.add(optimizer)
+    except TypeError:
+        _refused_ids.add(id(optimizer))
+    return True
+
+
+def swap_automatically(optimizer: object, config: SwapOptimizerConfig) -> bool:
+    """``swap_optimizer(optimizer, config)`` for a way in the user did not call explicitly.
+
+    An optimizer swapopt cannot serve stays as it is: warned about once (a ``SwapOptWarning``
+    naming its class and the reason), the step runs as without swapopt. Set
+    ``SWAPOPT_STRICT=1`` to raise instead.
+
+    Returns:
+        Whether ``optimizer`` is swapped now (False also when ``runtime="auto"`` found no
+        accelerator, which ``swap_optimizer`` says itself).
+
+    Raises:
+        UnsupportedOptimizerError: With ``SWAPOPT_STRICT`` set to a yes word.
+        ValueError: ``SWAPOPT_STRICT`` is not a yes/no word, or a config value does not fit.
+        SwapOptError: Any other refusal of ``swap_optimizer``.
+    """
+    strict = strict_mode()
+    try:
+        swap_optimizer(optimizer, config)
+    except UnsupportedOptimizerError as error:
+        if strict:
+            raise
+        name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        logger.debug("swapopt: %s left unswapped: %s", name, error)
+        if _first_time(optimizer):
+            note_nothing_to_swap()  # `swapopt run` then does not add its own exit message
+            warnings.warn(
+                f"swapopt leaves {name} unswapped: {error} The script runs on without "
+                f"swapping this optimizer (its state stays where it is); set {STRICT_ENV}=1 "
+                "to make this an error.",
+                SwapOptWarning,
+                stacklevel=3,
+            )
+        return False
+    return is_swap_optimizer(optimizer)

@@ -193,10 +193,12 @@ class PerParameterAdapter(OptimizerAdapter):
             return False
         if getattr(optimizer, PER_PARAMETER_ATTR, None) is True:
             return True
+        # Served when the step that runs is the served class's own or one it inherits:
+        # a subclass that overrides ``step`` has numerics nobody vouched for.
         owner = _step_owner(type(optimizer))
-        return owner in self.classes or (
-            owner in _torch_families() or _name(owner) in _KNOWN_ELSEWHERE
-        )
+        if any(isinstance(optimizer, cls) and issubclass(cls, owner) for cls in self.classes):
+            return True
+        return owner in _torch_families() or _name(owner) in _KNOWN_ELSEWHERE
 
     def validate(self, optimizer: torch.optim.Optimizer) -> None:
         name = type(optimizer).__name__

@@ -23,6 +23,7 @@ from swapopt_core import (
     SwapOptError,
     SwapOptimizerConfig,
     TransferRuntime,
+    UnsupportedOptimizerError,
     hookimpl,
     hookspecs,
     new_plugin_manager,
@@ -157,6 +158,38 @@ def _documented_module(heading: str) -> types.ModuleType:
 
 def _documented_sgd_plugin() -> types.ModuleType:
     return _documented_module("Adding an optimizer family")
+
+
+def _lion_run(cls: type, manager: pluggy.PluginManager | None) -> list[torch.Tensor]:
+    model = _model(3)
+    opt = cls(model.parameters(), lr=1e-3)
+    if manager is not None:
+        config = SwapOptimizerConfig(runtime="loopback", swap_times=2, min_numel=8)
+        swap_optimizer(opt, config, plugin_manager=manager)
+        engine = engine_of(opt)
+        assert engine is not None and isinstance(engine.adapter, PerParameterAdapter)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    if manager is not None:
+        assert swap_stats(opt).swapped_tensors == 5  # the last bias (4 values) stays
+    return [*model.parameters(), *(s["exp_avg"] for s in opt.state.values())]
+
+
+def test_the_documented_per_parameter_optimizers_swap_bit_exactly(
+    plugin_manager: pluggy.PluginManager,
+) -> None:
+    doc = _documented_module("Declaring an optimizer per parameter")
+    with pytest.raises(UnsupportedOptimizerError, match="VendorLion"):
+        swap_optimizer(
+            doc.VendorLion(_model().parameters()), SwapOptimizerConfig(runtime="loopback")
+        )
+    plugin_manager.register(doc, name="lion-doc")
+    for cls in (doc.Lion, doc.VendorLion):
+        plain, swapped = _lion_run(cls, None), _lion_run(cls, plugin_manager)
+        assert all(torch.equal(a, b) for a, b in zip(plain, swapped, strict=True))
 
 
 def test_the_documented_planner_is_found_by_its_name(plugin_manager: pluggy.PluginManager) -> None:

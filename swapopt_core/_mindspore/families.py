@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from swapopt_core._errors import SwapOptError
+from swapopt_core._errors import SwapOptError, UnsupportedOptimizerError
 from swapopt_core._mindspore.adapter import GraphCache, MindSporeAdapter, Work
 from swapopt_core._swap.engine import ENGINE_ATTR
 
@@ -59,12 +59,12 @@ class NnAdamAdapter(MindSporeAdapter):
     def validate(self, optimizer: Any) -> None:
         super().validate(optimizer)
         if optimizer.use_lazy:
-            raise SwapOptError(
+            raise UnsupportedOptimizerError(
                 "mindspore.nn.Adam(use_lazy=True) updates only the rows of sparse gradients, "
                 "on the host; swapopt cannot swap it. Build it with use_lazy=False."
             )
         if optimizer.use_offload:
-            raise SwapOptError(
+            raise UnsupportedOptimizerError(
                 "mindspore.nn.Adam(use_offload=True) already keeps its state and update on "
                 "the host; swapping on top would only add copies. Use one of the two: "
                 "use_offload=False with swapopt, or use_offload=True alone."
@@ -232,7 +232,7 @@ class MindFormersAdamWAdapter(_DecoupledDecay):
     def validate(self, optimizer: Any) -> None:
         super().validate(optimizer)
         if getattr(optimizer, "swap", False):
-            raise SwapOptError(
+            raise UnsupportedOptimizerError(
                 "This MindFormers AdamW was built with swap=True, so MindFormers already keeps "
                 "its state on the CPU (graph mode). Use one of the two: drop `swap: True` from "
                 "the optimizer config to use swapopt, or leave it unswapped."

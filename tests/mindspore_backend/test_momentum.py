@@ -60,6 +60,13 @@ def groups(params: list[Parameter]) -> list[dict]:
     ]
 
 
+class StepDecay(nn.Cell):
+    """A dynamic weight decay: it grows with the global step."""
+
+    def construct(self, global_step):
+        return ms.ops.cast(global_step, ms.float32) * 0.01 + 0.001
+
+
 FAMILIES = {
     "momentum": lambda ps: nn.Momentum(ps, 0.01, 0.9),
     "momentum-nesterov-decay-lossscale": lambda ps: nn.Momentum(
@@ -67,6 +74,9 @@ FAMILIES = {
     ),
     "momentum-groups-schedule": lambda ps: nn.Momentum(
         groups(ps), nn.CosineDecayLR(1e-4, 1e-2, 4), 0.9
+    ),
+    "momentum-dynamic-decay": lambda ps: nn.Momentum(
+        [{"params": ps[:3], "weight_decay": StepDecay()}, {"params": ps[3:]}], 0.01, 0.9
     ),
     "momentum-list-lr": lambda ps: nn.Momentum(ps, [0.01 * (i + 1) for i in range(STEPS)], 0.8),
     "sgd": lambda ps: nn.SGD(ps, 0.01, momentum=0.9, dampening=0.1, weight_decay=0.01),

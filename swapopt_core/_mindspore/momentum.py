@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from swapopt_core._mindspore.adapter import GraphCache, MindSporeAdapter, Work
-from swapopt_core._mindspore.families import _counters, _dense
+from swapopt_core._mindspore.families import advance_counters, require_dense
 
 __all__ = ["NnMomentumAdapter", "NnSGDAdapter"]
 
@@ -31,9 +31,9 @@ class _MomentumFamily(MindSporeAdapter):
         gradients = optimizer.decay_weight(gradients)
         gradients = optimizer.gradients_centralization(gradients)
         gradients = optimizer.scale_grad(gradients)
-        _dense(gradients, self.family)
+        require_dense(gradients, self.family)
         lr = optimizer.get_lr()  # before the global step advances, as in ``construct``
-        _counters(optimizer, powers=False)
+        advance_counters(optimizer, powers=False)
         return gradients, lr
 
     def steps(self, optimizer: Any, index: int) -> bool:

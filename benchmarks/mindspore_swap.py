@@ -50,6 +50,7 @@ def _families() -> dict[str, Callable[[list[Parameter]], nn.Optimizer]]:
         "nn.AdamWeightDecay": lambda ps: nn.AdamWeightDecay(
             ps, learning_rate=1e-3, weight_decay=0.01
         ),
+        "nn.Momentum": lambda ps: nn.Momentum(ps, learning_rate=1e-3, momentum=0.9),
     }
     try:
         from mindformers.core.optim.adamw import AdamW

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from swapopt_core._errors import SwapOptError
+from swapopt_core._errors import UnsupportedOptimizerError
 from swapopt_core._swap.adapter import SwapAdapter
 
 __all__ = ["GraphCache", "MindSporeAdapter", "MindSporeAdapterProtocol", "qualified_names"]
@@ -79,9 +79,13 @@ class MindSporeAdapter(ABC):
         return bool(qualified_names(optimizer) & set(self.classes))
 
     def validate(self, optimizer: Any) -> None:
-        """Raise for flags of ``optimizer`` that the swap cannot honour."""
+        """Refuse ``optimizer`` if one of its flags needs its state resident.
+
+        Raises:
+            UnsupportedOptimizerError: Such a flag is set (``use_parallel=True`` here).
+        """
         if getattr(optimizer, "use_parallel", False):
-            raise SwapOptError(
+            raise UnsupportedOptimizerError(
                 f"{self.family} was built with the parallel optimizer (use_parallel=True), "
                 "which shards and broadcasts state itself; swapopt cannot swap it. Turn the "
                 "parallel optimizer off or leave this optimizer unswapped."

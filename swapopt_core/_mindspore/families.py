@@ -13,11 +13,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from swapopt_core._errors import SwapOptError
+from swapopt_core._errors import SwapOptError, UnsupportedOptimizerError
 from swapopt_core._mindspore.adapter import GraphCache, MindSporeAdapter, Work
 from swapopt_core._swap.engine import ENGINE_ATTR
 
-__all__ = ["MindFormersAdamWAdapter", "NnAdamAdapter", "NnAdamWeightDecayAdapter"]
+__all__ = [
+    "MindFormersAdamWAdapter",
+    "NnAdamAdapter",
+    "NnAdamWeightDecayAdapter",
+    "advance_counters",
+    "require_dense",
+]
 
 
 def _graphs(optimizer: Any) -> GraphCache:
@@ -26,7 +32,7 @@ def _graphs(optimizer: Any) -> GraphCache:
     return graphs if isinstance(graphs, GraphCache) else GraphCache()
 
 
-def _counters(optimizer: Any, powers: bool) -> Any:
+def advance_counters(optimizer: Any, powers: bool) -> Any:
     """Advance the global step (and nn.Adam's powers) in one compiled launch."""
     from swapopt_core._mindspore.graphs import Preamble
 
@@ -38,7 +44,8 @@ def _counters(optimizer: Any, powers: bool) -> Any:
     return _graphs(optimizer).get(key, lambda: Preamble(optimizer, powers))()
 
 
-def _dense(gradients: tuple[Any, ...], family: str) -> None:
+def require_dense(gradients: tuple[Any, ...], family: str) -> None:
+    """Raise ``SwapOptError`` (an error of the step) for a gradient that is not a dense Tensor."""
     from mindspore import Tensor
 
     for position, grad in enumerate(gradients):
@@ -59,12 +66,12 @@ class NnAdamAdapter(MindSporeAdapter):
     def validate(self, optimizer: Any) -> None:
         super().validate(optimizer)
         if optimizer.use_lazy:
-            raise SwapOptError(
+            raise UnsupportedOptimizerError(
                 "mindspore.nn.Adam(use_lazy=True) updates only the rows of sparse gradients, "
                 "on the host; swapopt cannot swap it. Build it with use_lazy=False."
             )
         if optimizer.use_offload:
-            raise SwapOptError(
+            raise UnsupportedOptimizerError(
                 "mindspore.nn.Adam(use_offload=True) already keeps its state and update on "
                 "the host; swapping on top would only add copies. Use one of the two: "
                 "use_offload=False with swapopt, or use_offload=True alone."
@@ -82,9 +89,9 @@ class NnAdamAdapter(MindSporeAdapter):
         gradients = optimizer.gradients_centralization(gradients)
         gradients = optimizer.scale_grad(gradients)
         gradients = optimizer._grad_sparse_indices_deduplicate(gradients)
-        _dense(gradients, self.family)
+        require_dense(gradients, self.family)
         lr = optimizer.get_lr()
-        beta1_power, beta2_power = _counters(optimizer, powers=True)
+        beta1_power, beta2_power = advance_counters(optimizer, powers=True)
         return gradients, lr, beta1_power, beta2_power
 
     def steps(self, optimizer: Any, index: int) -> bool:
@@ -138,10 +145,10 @@ class _DecoupledDecay(MindSporeAdapter):
     state_key_names = ("exp_avg", "exp_avg_sq")
 
     def prepare(self, optimizer: Any, gradients: tuple[Any, ...]) -> Any:
-        _dense(gradients, self.family)
+        require_dense(gradients, self.family)
         weight_decay = optimizer.get_weight_decay()
         lr = optimizer.get_lr()
-        _counters(optimizer, powers=False)
+        advance_counters(optimizer, powers=False)
         return gradients, lr, weight_decay
 
     def hyper(self, optimizer: Any, prepared: Any, index: int) -> tuple[Any, Any, Any]:
@@ -232,7 +239,7 @@ class MindFormersAdamWAdapter(_DecoupledDecay):
     def validate(self, optimizer: Any) -> None:
         super().validate(optimizer)
         if getattr(optimizer, "swap", False):
-            raise SwapOptError(
+            raise UnsupportedOptimizerError(
                 "This MindFormers AdamW was built with swap=True, so MindFormers already keeps "
                 "its state on the CPU (graph mode). Use one of the two: drop `swap: True` from "
                 "the optimizer config to use swapopt, or leave it unswapped."

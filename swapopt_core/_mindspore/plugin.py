@@ -17,6 +17,7 @@ from swapopt_core._mindspore.families import (
     NnAdamWeightDecayAdapter,
 )
 from swapopt_core._mindspore.loopback_async import MindSporeLoopbackAsyncRuntime
+from swapopt_core._mindspore.momentum import NnMomentumAdapter, NnSGDAdapter
 from swapopt_core._mindspore.runtime import MindSporeAscendRuntime, MindSporeLoopbackRuntime
 from swapopt_core._swap.engine import EngineBase
 from swapopt_core.hookspecs import hookimpl
@@ -29,7 +30,13 @@ def swapopt_register_runtimes() -> Iterable[type[TransferRuntime]]:
 
 @hookimpl
 def swapopt_register_optimizer_adapters() -> Iterable[MindSporeAdapter]:
-    return [NnAdamAdapter(), NnAdamWeightDecayAdapter(), MindFormersAdamWAdapter()]
+    return [
+        NnAdamAdapter(),
+        NnAdamWeightDecayAdapter(),
+        MindFormersAdamWAdapter(),
+        NnMomentumAdapter(),
+        NnSGDAdapter(),
+    ]
 
 
 @hookimpl

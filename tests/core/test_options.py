@@ -191,7 +191,7 @@ def test_state_keys_checked_against_the_families() -> None:
         )
     message = str(info.value)
     assert "swap_optimizer.state_keys='exp_avg,momentum' is invalid" in message
-    assert "['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq']" in message
+    assert "['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'momentum_buffer', 'stat']" in message
 
 
 def test_swap_config_unknown_field_lists_the_fields() -> None:

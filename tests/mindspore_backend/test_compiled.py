@@ -1,4 +1,4 @@
-"""The compiled batch update of ``nn.Adam`` and ``nn.AdamWeightDecay`` and its undo copy.
+"""The compiled batch update of each MindSpore family and its undo copy.
 
 Each batch's update is one jit-compiled graph, built on the first step and called again on
 every later one; the undo copy of a batch lives in an arena reused from batch to batch (or
@@ -17,7 +17,7 @@ from mindspore import Parameter, Tensor, nn  # noqa: E402
 from mindspore.ops import functional as F  # noqa: E402
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats  # noqa: E402
-from swapopt_core._mindspore import graphs  # noqa: E402
+from swapopt_core._mindspore import graphs, momentum_graphs  # noqa: E402
 from swapopt_core._mindspore.adapter import GraphCache  # noqa: E402
 from swapopt_core._mindspore.runtime import MindSporeLoopbackRuntime  # noqa: E402
 from swapopt_core._mindspore.state import MindSporeTensorOps  # noqa: E402
@@ -54,6 +54,8 @@ FAMILIES = {
         lambda ps: nn.AdamWeightDecay(ps, learning_rate=1e-2, weight_decay=0.01),
         graphs.AdamWeightDecayBatch,
     ),
+    "momentum": (lambda ps: nn.Momentum(ps, 1e-2, 0.9), momentum_graphs.MomentumBatch),
+    "sgd": (lambda ps: nn.SGD(ps, 1e-2, momentum=0.9), momentum_graphs.SGDBatch),
 }
 
 

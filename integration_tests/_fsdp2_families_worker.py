@@ -28,9 +28,7 @@ from swapopt_core import is_swap_optimizer, swap_optimizer, swap_stats
 
 
 def sgd_nesterov(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(
-        base.param_groups(model, 0.01), lr=1e-2, momentum=0.9, nesterov=True
-    )
+    return torch.optim.SGD(base.param_groups(model, 0.01), lr=1e-2, momentum=0.9, nesterov=True)
 
 
 def sgd_dampening_foreach(model: nn.Module) -> torch.optim.Optimizer:

@@ -82,8 +82,9 @@ class Probe(pl.Callback):
         self.swapped: list[list[int]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        optimizers = trainer.optimizers
         self.swapped.append(
-            [swap_stats(o).swapped_tensors if is_swap_optimizer(o) else -1 for o in trainer.optimizers]
+            [swap_stats(o).swapped_tensors if is_swap_optimizer(o) else -1 for o in optimizers]
         )
 
 

@@ -1,11 +1,14 @@
-"""One rank of the two-process FSDP2 run with optimizers of the generic path (SGD, Adagrad).
+"""One rank of the two-process FSDP2 run with optimizers of the generic path.
 
 Launched by ``test_optimizer_families_gloo.py`` like ``_fsdp2_worker.py``, whose model, data,
 training loop, comparison and case runner it reuses. Each case trains the sharded model with
 a plain optimizer and with the same optimizer swapped (loopback runtime), whose update runs
 the optimizer's own ``step`` on one batch of parameters at a time over DTensor parameters and
-state, and compares the local shards bit for bit; one case also checkpoints through
-``torch.distributed.checkpoint`` mid-run and resumes.
+state, and compares the local shards bit for bit: SGD, Adagrad, and the families whose step
+creates its ``step`` counter lazily (RMSprop, Adadelta, Adamax, ASGD, NAdam, RAdam). Two cases
+also checkpoint through ``torch.distributed.checkpoint`` mid-run and resume, swapped and plain.
+(Rprop, Muon and torch's Adafactor do not run on sharded DTensor parameters even unswapped in
+torch 2.13: in-place ops that change placement.)
 
 Usage: ``python _fsdp2_families_worker.py OUT_DIR``
 """
@@ -39,6 +42,27 @@ def sgd_dampening_foreach(model: nn.Module) -> torch.optim.Optimizer:
 
 def adagrad(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adagrad(base.param_groups(model, 0.01), lr=1e-2, lr_decay=0.01)
+
+
+def _family(cls: type, **options: object) -> base.OptFactory:
+    """A factory of ``cls`` over the weight and bias groups, with ``options``."""
+
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        return cls(base.param_groups(model, 0.01), lr=1e-2, **options)
+
+    return make
+
+
+#: Families whose step creates a plain 0-dim ``step`` counter (or ``eta``/``mu``) beside
+#: DTensor state the first time it runs: the counters stay plain tensors, as unswapped.
+LAZY_COUNTERS: dict[str, tuple[base.OptFactory, bool]] = {
+    "rmsprop_centered": (_family(torch.optim.RMSprop, momentum=0.5, centered=True), True),
+    "adadelta": (_family(torch.optim.Adadelta), False),
+    "adamax": (_family(torch.optim.Adamax), True),
+    "asgd": (_family(torch.optim.ASGD), False),
+    "nadam_decoupled": (_family(torch.optim.NAdam, decoupled_weight_decay=True), True),
+    "radam": (_family(torch.optim.RAdam), False),
+}
 
 
 def swapped_layout(opt: torch.optim.Optimizer, *, packed: bool, steps: int, what: str) -> dict:
@@ -119,6 +143,12 @@ def case_dcp_resume(
     info["compared_state_entries"] = base.assert_same(
         plain, plain_opt, model, opt, "swapped DCP resume vs plain DCP resume"
     )
+    # The swapped run's checkpoint is an ordinary one: a plain optimizer resumes from it.
+    other = base.build_model(mesh)
+    other_opt = make(other)
+    dcp_worker.load(other, other_opt, root / "swapped")
+    base.train(other, other_opt, rank, range(base.RESUME_AT, base.STEPS))
+    base.assert_same(plain, plain_opt, other, other_opt, "plain resumed from swapped checkpoint")
     return info
 
 
@@ -136,6 +166,13 @@ def cases(root: Path) -> list[tuple[str, Case]]:
         ),
         ("adagrad-packed", lambda m, r: case_equivalence(m, r, adagrad, True)),
         ("adagrad-per_tensor", lambda m, r: case_equivalence(m, r, adagrad, False)),
+        *(
+            (
+                f"{name}-{'packed' if packed else 'per_tensor'}",
+                functools.partial(case_equivalence, make=make, packed=packed),
+            )
+            for name, (make, packed) in LAZY_COUNTERS.items()
+        ),
         (
             "dcp-resume-sgd_nesterov-packed",
             functools.partial(case_dcp_resume, make=sgd_nesterov, packed=True, root=root / "sgd"),

@@ -1,11 +1,11 @@
-"""Two processes, gloo on CPU, FSDP2: SGD and Adagrad swapped through the generic path.
+"""Two processes, gloo on CPU, FSDP2: optimizers swapped through the generic path.
 
-Each rank (``_fsdp2_families_worker.py``) trains a sharded model with a plain optimizer and
-again with it swapped (loopback runtime, packed and per-tensor): the optimizer's own ``step``
-runs on one batch of DTensor parameters at a time. The local shards of every parameter and
-state entry must equal the plain run's bit for bit, also after a checkpoint through
-``torch.distributed.checkpoint`` and a resume. The launch and the reporting are
-``test_fsdp2_gloo.py``'s.
+Each rank (``_fsdp2_families_worker.py``) trains a sharded model with a plain optimizer (SGD,
+Adagrad, RMSprop, Adadelta, Adamax, ASGD, NAdam, RAdam) and again with it swapped (loopback
+runtime, packed and per-tensor): the optimizer's own ``step`` runs on one batch of DTensor
+parameters at a time. The local shards of every parameter and state entry must equal the
+plain run's bit for bit, also after a checkpoint through ``torch.distributed.checkpoint`` and
+a resume. The launch and the reporting are ``test_fsdp2_gloo.py``'s.
 """
 
 from __future__ import annotations

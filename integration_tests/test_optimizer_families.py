@@ -181,6 +181,29 @@ def test_lightning_package_callback_with_sgd(tmp_path: Path) -> None:
     assert_same_state(a.state, b.state, "lightning.pytorch SGD")
 
 
+def test_lightning_sgd_resume_equals_plain_resume(tmp_path: Path) -> None:
+    """A checkpoint of a swapped SGD run holds its momentum buffers as CPU tensors; resuming
+    it with the callback gives the bits of resuming it without."""
+    make = M.PL.model(SgdNesterov, NoLog)
+    ckpt = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2
+    )
+    callbacks = [M.PL.callback(M.LOOPBACK), ckpt]
+    M.fit(tmp_path / "first", callbacks, make=make, max_steps=4, enable_checkpointing=True)
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    (saved,) = torch.load(last, weights_only=True)["optimizer_states"]
+    buffers = [s["momentum_buffer"] for s in saved["state"].values()]
+    assert len(buffers) == 6 and all(b.device.type == "cpu" for b in buffers)
+    plain = M.fit(tmp_path / "plain", make=make, ckpt_path=last, max_steps=8)
+    probe = Probe()
+    callbacks = [M.PL.callback(M.LOOPBACK), probe]
+    resumed = M.fit(tmp_path / "swap", callbacks, make=make, ckpt_path=last, max_steps=8)
+    assert probe.swapped and all(n > 0 for seen in probe.swapped for n in seen), probe.swapped
+    assert_same_params(plain, resumed, "SGD resume")
+    (a,), (b,) = plain.trainer.optimizers, resumed.trainer.optimizers
+    assert_same_state(a.state, b.state, "SGD resume")
+
+
 # ---- Accelerate ---------------------------------------------------------------------------
 
 BATCHES, HALF = 12, 6
@@ -292,7 +315,11 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _hf_run(
-    out: Path, swap: bool, optimizer: Callable[[torch.nn.Module], Any] | None, **overrides: Any
+    out: Path,
+    swap: bool,
+    optimizer: Callable[[torch.nn.Module], Any] | None,
+    resume: Path | None = None,
+    **overrides: Any,
 ) -> dict:
     _reset()
     model = tiny.model()
@@ -306,7 +333,7 @@ def _hf_run(
         callbacks=callbacks,
         optimizers=optimizers,
     )
-    run.train()
+    run.train(resume_from_checkpoint=None if resume is None else str(resume))
     return {
         "params": {k: v.detach().clone() for k, v in run.model.named_parameters()},
         "optimizer": run.optimizer.state_dict(),
@@ -334,3 +361,25 @@ def test_transformers_trainer_equals_plain(tmp_path: Path, case: str) -> None:
     assert len(swapped["swapped"]) == 6 and all(n > 0 for n in swapped["swapped"])
     assert not is_swap_optimizer(swapped["inner"])  # plain again once train() returned
     _assert_same_run(plain, swapped, f"transformers.Trainer {case}")
+
+
+def test_transformers_adafactor_resumes_from_a_swapped_checkpoint(tmp_path: Path) -> None:
+    """transformers' Adafactor (factored row/column state, a 0-dim ``RMS``, an int ``step``):
+    a swapped run saves a checkpoint mid-run, a fresh swapped Trainer resumes from it and ends
+    as the uninterrupted plain run."""
+    plain = _hf_run(tmp_path / "plain", False, None, optim="adafactor")
+    saving = {"optim": "adafactor", "save_strategy": "steps", "save_steps": 3}
+    first = _hf_run(tmp_path / "first", True, None, **saving)
+    _assert_same_run(plain, first, "swapped Adafactor with checkpoints")
+    saved = torch.load(tmp_path / "first" / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    tensors = [v for s in saved["state"].values() for v in s.values() if torch.is_tensor(v)]
+    assert tensors and all(t.device.type == "cpu" for t in tensors)
+    resumed = _hf_run(
+        tmp_path / "resumed",
+        True,
+        None,
+        resume=tmp_path / "first" / "checkpoint-3",
+        optim="adafactor",
+    )
+    assert len(resumed["swapped"]) == 3 and all(n > 0 for n in resumed["swapped"])
+    _assert_same_run(plain, resumed, "swapped Adafactor resumed vs uninterrupted plain")

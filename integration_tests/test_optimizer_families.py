@@ -2,11 +2,13 @@
 
 The generic path (``PerParameterAdapter``: the optimizer's own ``step`` on one batch of
 parameters at a time) under a real ``Trainer.fit`` (SGD with momentum and nesterov, RMSprop,
-Adagrad; Muon and Adafactor under manual optimization), a real ``Accelerator(cpu=True)``
-(Adagrad with accumulation, through a ``save_state``/``load_state`` round trip) and a real
-``transformers.Trainer`` (its own Adafactor, and an SGD passed in ``optimizers=``). Every run
-uses the loopback runtime, so the whole swap runs; each must end with parameters and optimizer
-state equal (``torch.equal``) to the same run without swapopt.
+Adagrad; Muon and Adafactor under manual optimization; an SGD checkpoint resumed), a real
+``Accelerator(cpu=True)`` (Adagrad with accumulation through a ``save_state``/``load_state``
+round trip; SGD through the GradScaler path, which patches ``step`` on the instance) and a
+real ``transformers.Trainer`` (its own Adafactor, resumed from a checkpoint too, and an SGD
+passed in ``optimizers=``). Every run uses the loopback runtime, so the whole swap runs; each
+must end with parameters and optimizer state equal (``torch.equal``) to the same run without
+swapopt.
 """
 
 from __future__ import annotations
@@ -221,14 +223,14 @@ def _accelerate_objects() -> tuple:
     return model, optimizer, torch.utils.data.DataLoader(data, batch_size=4), scheduler
 
 
-def _accelerator(swap: bool) -> Accelerator:
+def _accelerator(swap: bool, accumulation: int = 2) -> Accelerator:
     _reset()
     if not swap:
-        return Accelerator(cpu=True, gradient_accumulation_steps=2)
+        return Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     plugin = SwapOptimizerPlugin(
         offload_optimizer_device="cpu", runtime="loopback", min_numel=0, swap_times=3
     )
-    return SwapAccelerator(cpu=True, gradient_accumulation_steps=2, swap_plugin=plugin)
+    return SwapAccelerator(cpu=True, gradient_accumulation_steps=accumulation, swap_plugin=plugin)
 
 
 def _accelerate_train(
@@ -292,6 +294,35 @@ def test_accelerate_adagrad_accumulation_and_resume(tmp_path: Path) -> None:
     # The swapped run's checkpoint resumes a plain accelerator too.
     plain_resumed = _accelerate_train(False, HALF, BATCHES, load=tmp_path / "swap")
     _assert_same_run(whole, plain_resumed, "plain resume from the swapped checkpoint")
+
+
+def _scaler_run(swap: bool) -> tuple[torch.nn.Module, Any, int]:
+    # Accelerate makes no GradScaler on the CPU: attach one before prepare, so the
+    # AcceleratedOptimizer patches the optimizer's step on the instance and goes through
+    # scaler.step/update. A huge initial scale makes the first steps overflow (skipped).
+    accelerator = _accelerator(swap, accumulation=1)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**125, growth_interval=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, nesterov=True)
+    loader = _accelerate_objects()[2]
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    skipped = 0
+    for x, y in loader:
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y) * 1e3)
+        optimizer.step()
+        skipped += optimizer.step_was_skipped
+        optimizer.zero_grad()
+    return model, optimizer, skipped
+
+
+def test_accelerate_grad_scaler_sgd_skips_as_plain() -> None:
+    plain, plain_opt, plain_skipped = _scaler_run(False)
+    model, optimizer, skipped = _scaler_run(True)
+    assert skipped == plain_skipped > 0
+    assert swap_stats(optimizer.optimizer).steps == BATCHES - skipped
+    assert_same_params(plain, model, "SGD through the GradScaler path")
+    assert_same_state(plain_opt.optimizer.state, optimizer.optimizer.state, "GradScaler SGD")
 
 
 # ---- transformers.Trainer ----------------------------------------------------------------

@@ -119,6 +119,10 @@ class TorchStep:
         """Write back what the update created or replaced in its working copy of the state."""
         state = self.optimizer.state[unit.param]
         swapped = {slot.key: slot for slot in unit.slots}
+        # The generic path's new entries are what the family's own step created, in the
+        # layout it chose (a DTensor buffer beside a DTensor parameter, a plain 0-dim step
+        # counter): kept as they are. The Adam path's are local shards, laid out again.
+        whole = getattr(self.adapter, "whole_tensors", False)
         for key, value in work.items():
             slot = swapped.get(key)
             if slot is not None:
@@ -131,10 +135,12 @@ class TorchStep:
                 continue
             if key in keys and self.book.swappable(unit.param, value):
                 # Created by the update (SGD momentum): take it to host memory right away.
-                self.book.adopt(unit.param, key, _laid_out(value, unit.param), settled=True)
+                laid = value if whole else _laid_out(value, unit.param)
+                self.book.adopt(unit.param, key, laid, settled=True)
+            elif whole or not isinstance(value, torch.Tensor):
+                state[key] = value
             else:
-                like = old if isinstance(old, torch.Tensor) else unit.param
-                state[key] = _laid_out(value, like) if isinstance(value, torch.Tensor) else value
+                state[key] = _laid_out(value, old if isinstance(old, torch.Tensor) else unit.param)
 
 
 def _laid_out(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -360,6 +360,8 @@ class StateBook:
             for key in keys:
                 self.slots.pop((id(param), key), None)
             raise
+        if not fresh:  # the family creates its state in its own step, if any
+            return {}
         state: MutableMapping[str, Any] = self.optimizer.state[param]
         state.update(fresh)
         return state

@@ -59,7 +59,7 @@ class TorchStep:
                 unit.param,
                 *(
                     v
-                    for k, v in self.optimizer.state[unit.param].items()
+                    for k, v in self.optimizer.state.get(unit.param, {}).items()
                     if k not in swapped and isinstance(v, torch.Tensor)
                 ),
             ):
@@ -70,16 +70,24 @@ class TorchStep:
     def update(self, batch: Sequence[Unit], views: dict[Any, Any], prepared: Any) -> None:
         """Update ``batch``; on failure put back the state entries the update replaced."""
         state = self.optimizer.state
-        entries = [dict(state[unit.param]) for unit in batch]
+        # Looked up without creating: a parameter without state keeps none (torch's SGD
+        # without momentum has no entry at all).
+        entries = [state.get(unit.param) for unit in batch]
+        saved = [None if entry is None else dict(entry) for entry in entries]
         try:
             self._update(batch, views)
         except BaseException:
-            for unit, before in zip(batch, entries, strict=True):
-                now = state[unit.param]
-                for key in now.keys() - before.keys():
+            for unit, before in zip(batch, saved, strict=True):
+                now = state.get(unit.param)
+                if now is None:
+                    continue
+                for key in now.keys() - (before or {}).keys():
                     del now[key]
                     self.book.forget(unit.param, key)
-                now.update(before)
+                if before is None:
+                    del state[unit.param]
+                else:
+                    now.update(before)
             raise
 
     def _update(self, units: Sequence[Unit], views: dict[Any, Any]) -> None:
@@ -94,7 +102,7 @@ class TorchStep:
             group = opt.param_groups[index]
             works = []
             for unit in members:
-                state = opt.state[unit.param]
+                state = opt.state.get(unit.param, {})
                 work = {
                     k: v if whole or not isinstance(v, torch.Tensor) else local_tensor(v)
                     for k, v in state.items()
@@ -117,7 +125,7 @@ class TorchStep:
         self, unit: Unit, work: dict[str, Any], keys: tuple[str, ...], views: dict[Any, Any]
     ) -> None:
         """Write back what the update created or replaced in its working copy of the state."""
-        state = self.optimizer.state[unit.param]
+        state = self.optimizer.state.get(unit.param, {})
         swapped = {slot.key: slot for slot in unit.slots}
         # The generic path's new entries are what the family's own step created, in the
         # layout it chose (a DTensor buffer beside a DTensor parameter, a plain 0-dim step
@@ -138,9 +146,12 @@ class TorchStep:
                 laid = value if whole else _laid_out(value, unit.param)
                 self.book.adopt(unit.param, key, laid, settled=True)
             elif whole or not isinstance(value, torch.Tensor):
+                state = self.optimizer.state[unit.param]
                 state[key] = value
             else:
-                state[key] = _laid_out(value, old if isinstance(old, torch.Tensor) else unit.param)
+                like = old if isinstance(old, torch.Tensor) else unit.param
+                state = self.optimizer.state[unit.param]
+                state[key] = _laid_out(value, like)
 
 
 def _laid_out(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -228,3 +228,16 @@ def test_an_adapter_without_the_torch_protocol_is_refused_by_name() -> None:
     manager.register(Plugin())
     with pytest.raises(SwapOptError, match=r"HalfAdapter.*it lacks .*state_keys.*update"):
         swap_optimizer(torch.optim.Adam(_params()), LOOPBACK, plugin_manager=manager)
+
+
+def test_a_family_that_keeps_no_state_gets_no_state_entries() -> None:
+    params = _params()
+    opt = torch.optim.SGD(params, lr=0.1)  # no momentum: torch's SGD keeps nothing
+    swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback", min_numel=8))
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert opt.state_dict()["state"] == {}
+    unswap_optimizer(opt)
+    assert opt.state_dict()["state"] == {}

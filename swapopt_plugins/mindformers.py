@@ -61,8 +61,8 @@ class SwapOptimizerCallback(TrainerCallback):
     Args:
         swap_times: Pipeline batches per step (an integer >= 1).
         state_keys: State entries to swap, out of those the registered MindSpore optimizer
-            families keep (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``); None swaps all
-            that the optimizer keeps.
+            families keep (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``,
+            ``stat``); None swaps all that the optimizer keeps.
         min_numel: State tensors with fewer elements stay on the device (>= 0).
         include_master_params: Also swap fp32 master weights, where the optimizer keeps them.
         packed_swap: True, False, or None (or ``"auto"``) for the runtime's default.

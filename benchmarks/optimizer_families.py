@@ -19,16 +19,17 @@ for each optimizer, side by side in one process:
 * whether parameters and state end ``torch.equal`` to the plain run.
 
 The optimizers: SGD with momentum, Adagrad, RMSprop, Adafactor and Muon (the generic path),
-AdamW through its dedicated adapter, and AdamW through the generic path (a fresh plugin
+and AdamW both through its dedicated adapter and through the generic path (a fresh plugin
 manager with ``PerParameterAdapter(classes=(torch.optim.AdamW,))`` registered last, so it is
-asked before the built-in Adam adapter). The plain run and its two swapped twins are stepped
-round robin in a rotating order, so each ratio is taken under the same machine load; the
-ratios are medians of the timed steps.
+asked before the built-in Adam adapter); ``x dedicated`` is the generic AdamW step over the
+dedicated one on the same runtime. A family's plain run and all its swapped twins (both
+runtimes; for AdamW both paths too) are stepped round robin in a rotating order, so each
+ratio is taken under the same machine load; step times are medians of the timed steps.
 
 Run::
 
     python benchmarks/optimizer_families.py                  # 10M and 50M parameters
-    python benchmarks/optimizer_families.py --sizes 10M --steps 6 --gbps 1
+    python benchmarks/optimizer_families.py --sizes 10M --families "SGD momentum,AdamW" --gbps 1
     python benchmarks/optimizer_families.py --quick          # seconds: every row runs
 """
 
@@ -67,18 +68,34 @@ from bench_common import (  # noqa: E402
 
 Params = list[nn.Parameter]
 
-#: Name -> (how to build it on the parameters, whether AdamW goes through the generic path).
-OPTIMIZERS: dict[str, tuple[Callable[[Params], torch.optim.Optimizer], bool]] = {
-    "SGD momentum": (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), False),
-    "Adagrad": (lambda ps: torch.optim.Adagrad(ps, lr=1e-2), False),
-    "RMSprop": (lambda ps: torch.optim.RMSprop(ps, lr=1e-3), False),
-    "Adafactor": (lambda ps: torch.optim.Adafactor(ps, lr=1e-2), False),
-    "Muon": (lambda ps: torch.optim.Muon(ps, lr=1e-3), False),
-    "AdamW dedicated": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2), False),
-    "AdamW generic": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2), True),
+#: Family -> how to build it on the parameters.
+FAMILIES: dict[str, Callable[[Params], torch.optim.Optimizer]] = {
+    "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+    "Adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+    "Muon": lambda ps: torch.optim.Muon(ps, lr=1e-3),
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2),
 }
+#: Families swapped two ways, side by side against one plain run: the dedicated adapter
+#: (the built-in choice) and the generic path.
+PATHS: dict[str, tuple[str, ...]] = {"AdamW": ("dedicated", "generic")}
 RUNTIMES = ("loopback", "loopback-async")
+
+
+def row_names(families: list[str] | None = None) -> list[str]:
+    """The optimizer column of the table, in order: one name per family and path."""
+    names = []
+    for family in FAMILIES if families is None else families:
+        paths = PATHS.get(family, ("",))
+        names += [f"{family} {path}".strip() for path in paths]
+    return names
+
+
 QUICK = {"sizes": "0.25M", "width": 128, "steps": 2, "warmup": 1}
+
+
+hookimpl = import_swapopt().hookimpl
 
 
 class GenericAdamW:
@@ -88,16 +105,15 @@ class GenericAdamW:
     def __init__(self, swapopt: ModuleType) -> None:
         self.adapter = swapopt.PerParameterAdapter(classes=(torch.optim.AdamW,))
 
+    @hookimpl
     def swapopt_register_optimizer_adapters(self) -> list[Any]:
         return [self.adapter]
 
 
 def generic_adamw_manager(swapopt: ModuleType) -> Any:
     """A fresh plugin manager whose AdamW goes through ``PerParameterAdapter``."""
-    plugin = GenericAdamW(swapopt)
-    swapopt.hookimpl(GenericAdamW.swapopt_register_optimizer_adapters)
     manager = swapopt.new_plugin_manager(load_entrypoints=False)
-    manager.register(plugin, name="generic-adamw")
+    manager.register(GenericAdamW(swapopt), name="generic-adamw")
     return manager
 
 
@@ -146,24 +162,27 @@ def adapter_name(opt: torch.optim.Optimizer) -> str:
     return type(engine.adapter).__name__ if engine is not None else "-"
 
 
-def bench_optimizer(
+def bench_family(
     swapopt: ModuleType,
-    name: str,
+    family: str,
     model: nn.Sequential,
     grads: list[list[torch.Tensor]],
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
-    """The plain optimizer and its swapped twins on both runtimes, stepped round robin."""
-    build, generic = OPTIMIZERS[name]
-    manager = generic_adamw_manager(swapopt) if generic else None
-    runs: dict[str, dict[str, Any]] = {}
-    for run_name in ("plain", *RUNTIMES):
+    """The plain optimizer and its swapped twins (each path, both runtimes), stepped round
+    robin in a rotating order."""
+    build = FAMILIES[family]
+    paths = PATHS.get(family, ("",))
+    runs: dict[tuple[str, str], dict[str, Any]] = {}
+    for key in [("", "plain")] + [(path, rt) for path in paths for rt in RUNTIMES]:
+        path, runtime = key
         m = copy.deepcopy(model)
         params = list(m.parameters())
         run: dict[str, Any] = {"params": params, "opt": build(params), "times": []}
-        if run_name != "plain":
-            config = swapopt.SwapOptimizerConfig(swap_times=args.swap_times, runtime=run_name)
-            link = args.gbps if run_name == "loopback-async" else None
+        if runtime != "plain":
+            manager = generic_adamw_manager(swapopt) if path == "generic" else None
+            config = swapopt.SwapOptimizerConfig(swap_times=args.swap_times, runtime=runtime)
+            link = args.gbps if runtime == "loopback-async" else None
             try:
                 with emulated_link(link):  # read when the runtime is made, at install
                     swapopt.swap_optimizer(run["opt"], config, plugin_manager=manager)
@@ -171,39 +190,41 @@ def bench_optimizer(
             except Exception as exc:
                 traceback.print_exc()
                 run["error"] = f"install: {type(exc).__name__}: {exc}"
-        runs[run_name] = run
+        runs[key] = run
 
     order = list(runs)
     for step in range(args.warmup + args.steps):
         shift = step % len(order)
-        for run_name in order[shift:] + order[:shift]:
-            run = runs[run_name]
+        for key in order[shift:] + order[:shift]:
+            run = runs[key]
             if "error" in run:
                 continue
             set_grads(run["params"], grads[step % 2])
             try:
                 start = time.perf_counter()
                 run["opt"].step()
-                if run_name != "plain":
+                if key[1] != "plain":
                     swapopt.swap_stats(run["opt"])  # waits for the step's copies still queued
                 run["times"].append(time.perf_counter() - start)
             except Exception as exc:
                 traceback.print_exc()
                 run["error"] = f"step {step}: {type(exc).__name__}: {exc}"
 
-    plain = runs["plain"]
+    plain = runs[("", "plain")]
     plain_s = median(plain["times"][args.warmup :])
     plain_bytes = state_bytes(plain["opt"])
     rows = []
-    for runtime in RUNTIMES:
-        run = runs[runtime]
+    for (path, runtime), run in runs.items():
+        if runtime == "plain":
+            continue
         row: dict[str, Any] = {
-            "optimizer": name,
+            "optimizer": f"{family} {path}".strip(),
             "runtime": runtime,
             "plain_s": plain_s,
             "plain_state_bytes": plain_bytes,
             "error": run.get("error") or plain.get("error"),
             "adapter": run.get("adapter"),
+            "over_dedicated": None,
         }
         if row["error"] is None:
             stats = swapopt.swap_stats(run["opt"])
@@ -221,6 +242,9 @@ def bench_optimizer(
                 plain_s_all=plain["times"],
                 swapped_s_all=run["times"],
             )
+            dedicated = runs.get(("dedicated", runtime))
+            if path == "generic" and dedicated is not None and "error" not in dedicated:
+                row["over_dedicated"] = ratio(swapped_s, median(dedicated["times"][args.warmup :]))
         rows.append(row)
     del runs
     gc.collect()
@@ -235,10 +259,10 @@ def bench_size(
     grads = make_grads(model, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     rows = []
-    for name in args.optimizer_list:
-        console.print(f"  {human(n_params)} {name} ...", end="")
+    for family in args.family_list:
+        console.print(f"  {human(n_params)} {family} ...", end="")
         t0 = time.perf_counter()
-        for row in bench_optimizer(swapopt, name, model, grads, args):
+        for row in bench_family(swapopt, family, model, grads, args):
             rows.append({"params": n_params, "layers": len(model), **row})
         console.print(f" {time.perf_counter() - t0:.1f} s")
     return {"params": n_params, "rows": rows, "wall_s": time.perf_counter() - start}
@@ -253,13 +277,14 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def table_rows(results: list[dict[str, Any]], gbps: float) -> tuple[list[str], list[list[str]]]:
     head = ["params", "optimizer", "runtime", "adapter", "plain ms", "swapped ms", "x plain"]
+    head += ["x dedicated"]
     head += ["plain state MB", "swapped MB", "peak state / plain", "bit-exact"]
     rows = []
     for result in results:
         for r in result["rows"]:
             runtime = r["runtime"] if r["runtime"] == "loopback" else f"async {gbps:g} GB/s"
             if r["error"]:
-                rows.append([human(r["params"]), r["optimizer"], runtime, "FAILED"] + ["-"] * 7)
+                rows.append([human(r["params"]), r["optimizer"], runtime, "FAILED"] + ["-"] * 8)
                 continue
             rows.append(
                 [
@@ -270,6 +295,7 @@ def table_rows(results: list[dict[str, Any]], gbps: float) -> tuple[list[str], l
                     _fmt(r["plain_s"] * 1e3, ".1f"),
                     _fmt(r["swapped_s"] * 1e3, ".1f"),
                     _fmt(r["over_plain"], ".2f"),
+                    _fmt(r["over_dedicated"], ".2f"),
                     f"{r['plain_state_bytes'] / 2**20:.1f}",
                     f"{r['swapped_state_bytes'] / 2**20:.1f}",
                     _fmt(r["peak_over_plain_state"], ".3f"),
@@ -286,16 +312,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="10M,50M", help="parameter counts, K/M/G (10M,50M)")
     p.add_argument("--width", type=int, default=512, help="width of the square layers (512)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per run (4)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed first steps (1)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per run (5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps (2)")
     p.add_argument("--swap-times", type=int, default=8, help="swap_times (8)")
     p.add_argument(
         "--gbps", type=float, default=2.0, help="emulated link of loopback-async, GB/s (2)"
     )
     p.add_argument(
-        "--optimizers",
-        default=",".join(OPTIMIZERS),
-        help=f"comma-separated subset of: {', '.join(OPTIMIZERS)}",
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"comma-separated subset of: {', '.join(FAMILIES)}",
     )
     p.add_argument(
         "--quick",
@@ -317,10 +343,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             if key not in given:
                 setattr(args, key, value)
     args.size_list = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    args.optimizer_list = [s.strip() for s in args.optimizers.split(",") if s.strip()]
-    unknown = [s for s in args.optimizer_list if s not in OPTIMIZERS]
+    args.family_list = [s.strip() for s in args.families.split(",") if s.strip()]
+    unknown = [s for s in args.family_list if s not in FAMILIES]
     if unknown:
-        p.error(f"--optimizers: unknown {unknown}; choose from {list(OPTIMIZERS)}")
+        p.error(f"--families: unknown {unknown}; choose from {list(FAMILIES)}")
     if args.steps < 1 or args.warmup < 0 or args.width < 1 or args.gbps <= 0:
         p.error("--steps and --width must be >= 1, --warmup >= 0 and --gbps > 0")
     return args

@@ -32,7 +32,9 @@ def test_quick_run_has_every_row_and_keeps_the_bits() -> None:
     out = io.StringIO()
     report = script.run(["--quick", "--steps", "1"], console=Console(file=out, width=200))
     rows = [row for result in report["results"] for row in result["rows"]]
-    expected = [(name, runtime) for name in script.OPTIMIZERS for runtime in script.RUNTIMES]
+    names = script.row_names()
+    assert "AdamW dedicated" in names and "AdamW generic" in names and "Muon" in names
+    expected = [(name, runtime) for name in names for runtime in script.RUNTIMES]
     assert [(row["optimizer"], row["runtime"]) for row in rows] == expected
     for row in rows:
         assert row["error"] is None, row["error"]
@@ -41,6 +43,7 @@ def test_quick_run_has_every_row_and_keeps_the_bits() -> None:
         assert row["peak_over_plain_state"] is not None
         generic = row["optimizer"] != "AdamW dedicated"
         assert row["adapter"] == ("PerParameterAdapter" if generic else "TorchAdamAdapter")
+        assert (row["over_dedicated"] is not None) == (row["optimizer"] == "AdamW generic")
     head, table = report["table"]["head"], report["table"]["rows"]
     assert len(table) == len(expected)
     assert all(cells[head.index("bit-exact")] == "yes" for cells in table)

@@ -16,7 +16,7 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -105,7 +105,7 @@ def make_grads(model: nn.Module, seed: int) -> list[list[torch.Tensor]]:
     return sets
 
 
-def set_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+def set_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
     """Point each parameter's ``.grad`` at its tensor of ``grads``."""
     for p, g in zip(params, grads, strict=True):
         p.grad = g

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import random
 import statistics
 import sys
@@ -48,6 +47,9 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import emulated_link  # noqa: E402
 
 MIB = 2**20
 VOCAB, WIDTH, LAYERS, HEADS, BATCH, MAX_LEN = 512, 128, 4, 4, 8, 160
@@ -102,10 +104,8 @@ def run_loop(
 ) -> dict[str, Any]:
     """One loop (``"accumulation"`` or ``"padding"``) on one runtime; see the module doc."""
     swapopt = _import("swapopt_core")
-    saved = os.environ.get("SWAPOPT_LOOPBACK_GBPS")
-    if runtime == "loopback-async":
-        os.environ["SWAPOPT_LOOPBACK_GBPS"] = f"{gbps:.6f}"  # read at the first entry
-    try:
+    # The link is read at the session's first entry, inside the block.
+    with emulated_link(gbps if runtime == "loopback-async" else None):
         session = swapopt.OffloadSession(
             swapopt.OffloadConfig(
                 max_resident_activation_mb=budget / MIB, runtime=runtime, min_offload_kib=64
@@ -140,11 +140,6 @@ def run_loop(
                 entry += 1
             for optimizer in optimizers:
                 optimizer.step()
-    finally:
-        if saved is None:
-            os.environ.pop("SWAPOPT_LOOPBACK_GBPS", None)
-        else:
-            os.environ["SWAPOPT_LOOPBACK_GBPS"] = saved
     first = 2 if loop == "accumulation" else 3
     stats = session.stats()
     return {

@@ -27,12 +27,9 @@ import argparse
 import copy
 import dataclasses
 import gc
-import importlib
 import json
 import math
 import os
-import platform
-import statistics
 import sys
 import time
 import traceback
@@ -43,38 +40,24 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (  # noqa: E402
+    human,
+    import_swapopt,
+    machine_info,
+    make_grads,
+    markdown_table,
+    median,
+    parse_size,
+    ratio,
+    rich_table,
+    set_grads,
+)
 
 SWEEP_SWAP_TIMES = (2, 4, 8, 16)
 MODES = {"packed": True, "per-tensor": False}
-_SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
-
-
-def _import_swapopt() -> ModuleType:
-    """Import ``swapopt_core``, falling back to the checkout this script lives in."""
-    try:
-        return importlib.import_module("swapopt_core")
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        return importlib.import_module("swapopt_core")
-
-
-def _parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = _SUFFIX.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in _SUFFIX else text
-    value = int(float(number) * scale)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"model size must be positive, got {text!r}")
-    return value
-
-
-def _human(n: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return str(int(n))
 
 
 # --------------------------------------------------------------------------- timing
@@ -166,24 +149,6 @@ def make_model(n_params: int, depth: int, device: torch.device, seed: int) -> nn
     return nn.Sequential(*layers).to(device)
 
 
-def make_grads(model: nn.Module, seed: int) -> list[list[torch.Tensor]]:
-    """Two gradient sets, used on alternate steps so the update is not a fixed point."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    sets = []
-    for _ in range(2):
-        grads = []
-        for p in model.parameters():
-            g = torch.randn(p.shape, generator=gen, dtype=p.dtype).mul_(1e-2)
-            grads.append(g.to(p.device))
-        sets.append(grads)
-    return sets
-
-
-def set_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g
-
-
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
 
@@ -205,19 +170,6 @@ def stats_dict(swapopt: ModuleType, opt: torch.optim.Optimizer) -> dict[str, Any
         for f in dataclasses.fields(stats):
             out.setdefault(f.name, getattr(stats, f.name))
     return out
-
-
-def _ratio(num: float | None, den: float | None) -> float | None:
-    if num is None or not den:
-        return None
-    return num / den
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-# --------------------------------------------------------------------------- one size
 
 
 def bench_timing(
@@ -281,7 +233,7 @@ def bench_timing(
         times = run["times"][args.warmup :]
         entry: dict[str, Any] = {
             "step_s_all": run["times"],
-            "step_s_median": _median(times),
+            "step_s_median": median(times),
             "error": run.get("error"),
         }
         if name != "plain" and "error" not in run:
@@ -296,30 +248,30 @@ def bench_timing(
             moved += after["d2h_bytes"] - before.get(name, {}).get("d2h_bytes", 0)
             entry["timed_steps_counted"] = done
             # 1.0 means every timed step moved the whole state in and out exactly once
-            entry["moved_per_step_over_2x_total"] = _ratio(
+            entry["moved_per_step_over_2x_total"] = ratio(
                 moved / max(done, 1), 2 * after["total_state_bytes"]
             )
         out[name] = entry
 
     plain_t = out["plain"]["step_s_median"]
-    memcpy_t = _median([h + d for h, d in zip(raw.h2d, raw.d2h, strict=True)][args.warmup :])
-    h2d_t = _median(raw.h2d[args.warmup :])
-    d2h_t = _median(raw.d2h[args.warmup :])
+    memcpy_t = median([h + d for h, d in zip(raw.h2d, raw.d2h, strict=True)][args.warmup :])
+    h2d_t = median(raw.h2d[args.warmup :])
+    d2h_t = median(raw.d2h[args.warmup :])
     out["memcpy"] = {
         "bytes_each_way": state_bytes,
         "both_ways_s_median": memcpy_t,
-        "fresh_both_ways_s_median": _median(raw.fresh[args.warmup :]),
+        "fresh_both_ways_s_median": median(raw.fresh[args.warmup :]),
         "fresh_s_all": raw.fresh,
         "h2d_s_all": raw.h2d,
         "d2h_s_all": raw.d2h,
-        "h2d_GBps": _ratio(state_bytes / 1e9, h2d_t),
-        "d2h_GBps": _ratio(state_bytes / 1e9, d2h_t),
+        "h2d_GBps": ratio(state_bytes / 1e9, h2d_t),
+        "d2h_GBps": ratio(state_bytes / 1e9, d2h_t),
     }
     for name in MODES:
         entry = out[name]
         t = entry["step_s_median"]
-        entry["over_plain"] = _ratio(t, plain_t)
-        entry["extra_over_memcpy"] = _ratio(
+        entry["over_plain"] = ratio(t, plain_t)
+        entry["extra_over_memcpy"] = ratio(
             None if t is None or plain_t is None else t - plain_t, memcpy_t
         )
         if device.type == "cuda" and t and out["memcpy"]["h2d_GBps"]:
@@ -366,14 +318,14 @@ def bench_residency(
                     "install_s": install_s,
                     "stats_after_install": after_install,
                     "stats": s,
-                    "peak_over_total": _ratio(s["peak_resident_state_bytes"], total),
-                    "resident_between_steps_over_total": _ratio(s["resident_state_bytes"], total),
-                    "host_over_total": _ratio(s["host_state_bytes"], total),
-                    "pinned_over_total": _ratio(s["pinned_host_bytes"], total),
+                    "peak_over_total": ratio(s["peak_resident_state_bytes"], total),
+                    "resident_between_steps_over_total": ratio(s["resident_state_bytes"], total),
+                    "host_over_total": ratio(s["host_state_bytes"], total),
+                    "pinned_over_total": ratio(s["pinned_host_bytes"], total),
                 }
                 if device.type == "cuda":
                     peak = torch.cuda.max_memory_allocated(device) - base_alloc
-                    entry["cuda_step_peak_alloc_over_total"] = _ratio(peak, total)
+                    entry["cuda_step_peak_alloc_over_total"] = ratio(peak, total)
             except Exception as exc:
                 traceback.print_exc()
                 entry = {"error": f"{type(exc).__name__}: {exc}"}
@@ -432,7 +384,7 @@ def timing_rows(results: list[dict[str, Any]], cuda: bool) -> tuple[list[str], l
         for name in ("plain", *MODES):
             e = t[name]
             row = [
-                _human(r["params"]),
+                human(r["params"]),
                 f"{t['state_bytes_expected'] / 2**20:.0f}",
                 name if not e.get("error") else f"{name} (FAILED)",
                 _ms(e["step_s_median"]),
@@ -471,48 +423,15 @@ def residency_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[
             total = (timed.get("stats") or {}).get("total_state_bytes")
             rows.append(
                 [
-                    _human(r["params"]),
+                    human(r["params"]),
                     mode,
                     *("ERR" if "error" in c else _fmt(c["peak_over_total"], ".3f") for c in cells),
-                    _fmt(_ratio(scratch, total), ".3f"),
+                    _fmt(ratio(scratch, total), ".3f"),
                     _fmt(last.get("host_over_total"), ".3f"),
                     _fmt(last.get("pinned_over_total"), ".3f"),
                 ]
             )
     return head, rows
-
-
-def markdown_table(head: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def rich_table(title: str, head: list[str], rows: list[list[str]]) -> Table:
-    table = Table(title=title)
-    for i, h in enumerate(head):
-        table.add_column(h, justify="left" if i < 3 else "right")
-    for row in rows:
-        table.add_row(*row)
-    return table
-
-
-def machine_info(device: torch.device) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-        "loadavg_1_5_15": list(os.getloadavg()),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
-# --------------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -544,7 +463,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write the raw numbers here")
     p.add_argument("--markdown", type=Path, help="write the two tables as Markdown here")
     args = p.parse_args(argv)
-    args.size_list = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    args.size_list = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -556,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    swapopt = _import_swapopt()
+    swapopt = import_swapopt()
     device = torch.device(args.device)
     console = Console()
     if not console.is_terminal:
@@ -570,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = []
     for n in args.size_list:
-        console.print(f"  size {_human(n)} ...", end="")
+        console.print(f"  size {human(n)} ...", end="")
         res = bench_size(swapopt, n, args, device)
         console.print(f" {res['wall_s']:.1f} s")
         results.append(res)

@@ -105,7 +105,7 @@ class StateBook:
             keys = tuple(
                 k
                 for k, v in (state or {}).items()
-                if isinstance(v, torch.Tensor) and local_tensor(v).dim() > 0
+                if isinstance(v, torch.Tensor) and v.dim() > 0  # a DTensor has its shard's dims
             )
         wanted = self.config.state_keys
         return keys if wanted is None else tuple(k for k in keys if k in wanted)

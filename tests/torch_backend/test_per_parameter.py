@@ -1,0 +1,268 @@
+"""The generic per-parameter path beyond the optimizer database: checkpoints of every family,
+refusals by what an optimizer is, optimizers declared by an attribute or a plugin, and
+transformers' Adafactor."""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+
+from swapopt_core import (
+    PerParameterAdapter,
+    UnsupportedOptimizerError,
+    hookimpl,
+    is_swap_optimizer,
+    new_plugin_manager,
+    swap_optimizer,
+    swap_stats,
+)
+from tests.conftest import assert_same, loopback
+from tests.torch_backend.per_parameter_cases import (
+    MIN_NUMEL,
+    lockstep,
+    make_net,
+    make_opt,
+    pair,
+    step,
+)
+
+#: Each test runs on the synchronous loopback and on loopback-async with jitter.
+pytestmark = pytest.mark.usefixtures("swap_runtime", "single_thread")
+
+optim = torch.optim
+
+#: One configuration with state per family (the database's defaults keep none for SGD).
+FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
+    "SGD": (optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+    "Adagrad": (optim.Adagrad, {"lr": 0.05, "lr_decay": 0.01}),
+    "Adadelta": (optim.Adadelta, {"weight_decay": 0.1}),
+    "Adamax": (optim.Adamax, {}),
+    "ASGD": (optim.ASGD, {"t0": 1}),
+    "NAdam": (optim.NAdam, {"weight_decay": 0.1}),
+    "RAdam": (optim.RAdam, {}),
+    "RMSprop": (optim.RMSprop, {"centered": True, "momentum": 0.5}),
+    "Rprop": (optim.Rprop, {}),
+    "Adafactor": (optim.Adafactor, {"lr": 0.01}),
+    "Muon": (optim.Muon, {}),
+    "SparseAdam": (optim.SparseAdam, {}),
+    "Adam": (optim.Adam, {"amsgrad": True}),
+    "AdamW": (optim.AdamW, {}),
+}
+PACKED = pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+
+
+def _config(packed: bool = True, **kwargs: Any):
+    return loopback(swap_times=3, min_numel=MIN_NUMEL, packed_swap=packed, **kwargs)
+
+
+def _round_trip(state_dict: dict[str, Any]) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    return torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+
+@PACKED
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_state_dict_round_trip_keeps_training_exactly(name: str, packed: bool) -> None:
+    """Swapped -> state_dict -> a fresh swapped optimizer: equal to an uninterrupted run."""
+    cls, kwargs = FAMILIES[name]
+    plain_model, plain, model, opt = pair(cls, kwargs, _config(packed))
+    lockstep(plain_model, plain, model, opt, 3)
+    saved = _round_trip(opt.state_dict())
+    assert all(
+        v.device.type == "cpu"
+        for s in saved["state"].values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
+    resumed_model = copy.deepcopy(model)
+    resumed = make_opt(cls, resumed_model, kwargs)
+    swap_optimizer(resumed, _config(packed))
+    resumed.load_state_dict(saved)
+    assert swap_stats(resumed).h2d_bytes == 0  # loading moved nothing to the device
+    lockstep(plain_model, plain, resumed_model, resumed, 3, start=3)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_swapped_checkpoint_loads_into_the_plain_optimizer(name: str) -> None:
+    cls, kwargs = FAMILIES[name]
+    plain_model, plain, model, opt = pair(cls, kwargs, _config())
+    lockstep(plain_model, plain, model, opt, 3)
+    other_model = copy.deepcopy(model)
+    other = make_opt(cls, other_model, kwargs)
+    other.load_state_dict(_round_trip(opt.state_dict()))
+    for index in range(3, 6):
+        step(plain_model, plain, index)
+        step(other_model, other, index)
+        assert_same(plain, other, plain_model, other_model)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_plain_checkpoint_loads_into_a_swapped_optimizer(name: str) -> None:
+    cls, kwargs = FAMILIES[name]
+    plain_model = make_net(cls)
+    plain = make_opt(cls, plain_model, kwargs)
+    for index in range(3):
+        step(plain_model, plain, index)
+    model = copy.deepcopy(plain_model)
+    opt = make_opt(cls, model, kwargs)
+    swap_optimizer(opt, _config())
+    opt.load_state_dict(_round_trip(plain.state_dict()))
+    lockstep(plain_model, plain, model, opt, 3, start=3)
+
+
+# ---- refusals ------------------------------------------------------------------------------
+
+
+def test_lbfgs_is_refused_naming_it_and_why() -> None:
+    opt = optim.LBFGS(make_net(optim.SGD).parameters())
+    with pytest.raises(UnsupportedOptimizerError, match=r"torch\.optim\.lbfgs\.LBFGS.*closure"):
+        swap_optimizer(opt, _config())
+    assert not is_swap_optimizer(opt)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad", "RMSprop", "NAdam", "Rprop"])
+def test_differentiable_is_refused(name: str) -> None:
+    cls, kwargs = FAMILIES[name]
+    opt = cls(make_net(cls).parameters(), differentiable=True, **kwargs)
+    with pytest.raises(UnsupportedOptimizerError, match=r"differentiable=True"):
+        swap_optimizer(opt, _config())
+    assert not is_swap_optimizer(opt)
+
+
+class UndeclaredLion(optim.Optimizer):
+    """Lion (sign of an interpolated momentum), a per-parameter optimizer outside torch."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                state["step"] += 1
+                exp_avg = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = exp_avg.mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+        return loss
+
+
+class Lion(UndeclaredLion):
+    swapopt_per_parameter = True
+
+
+LION_KWARGS = {"lr": 0.01, "weight_decay": 0.1}
+
+
+@PACKED
+def test_a_declared_third_party_optimizer_is_served_exactly(packed: bool) -> None:
+    plain_model, plain, model, opt = pair(Lion, LION_KWARGS, _config(packed))
+    lockstep(plain_model, plain, model, opt, 4)
+    assert swap_stats(opt).swapped_tensors == 4  # exp_avg of fc1.weight, fc1.bias, fc2.weight, odd
+
+
+def test_an_undeclared_third_party_optimizer_is_refused_saying_how_to_declare() -> None:
+    opt = UndeclaredLion(make_net(optim.SGD).parameters())
+    with pytest.raises(UnsupportedOptimizerError, match=r"UndeclaredLion") as caught:
+        swap_optimizer(opt, _config())
+    assert "swapopt_per_parameter = True" in str(caught.value)
+    assert not is_swap_optimizer(opt)
+
+
+class LionPlugin:
+    @hookimpl
+    def swapopt_register_optimizer_adapters(self) -> list[PerParameterAdapter]:
+        return [PerParameterAdapter(classes=(UndeclaredLion,))]
+
+
+@PACKED
+def test_a_plugin_registers_a_third_party_optimizer(packed: bool) -> None:
+    manager = new_plugin_manager(load_entrypoints=False)
+    manager.register(LionPlugin())
+    plain_model = make_net(UndeclaredLion)
+    model = copy.deepcopy(plain_model)
+    plain = make_opt(UndeclaredLion, plain_model, LION_KWARGS)
+    opt = make_opt(UndeclaredLion, model, LION_KWARGS)
+    swap_optimizer(opt, _config(packed), plugin_manager=manager)
+    lockstep(plain_model, plain, model, opt, 4)
+
+
+class LoggingSGD(optim.SGD):
+    """An SGD whose ``step`` is its own: swapopt cannot know what it does."""
+
+    calls = 0
+
+    def step(self, closure: Any = None) -> Any:
+        type(self).calls += 1
+        return super().step(closure)
+
+
+class DeclaredLoggingSGD(LoggingSGD):
+    swapopt_per_parameter = True
+
+
+def test_a_subclass_that_overrides_step_is_refused_unless_declared() -> None:
+    kwargs = FAMILIES["SGD"][1]
+    opt = LoggingSGD(make_net(optim.SGD).parameters(), **kwargs)
+    with pytest.raises(UnsupportedOptimizerError, match=r"LoggingSGD.*swapopt_per_parameter"):
+        swap_optimizer(opt, _config())
+    assert not is_swap_optimizer(opt)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RecursionError,
+    reason="a declared subclass whose step calls super().step() reaches torch's hooked "
+    "SGD.step (wrapped once any SGD exists), which runs the optimizer's step hooks again: "
+    "inside a batch's update the engine's post-hook steps again, without end",
+)
+def test_a_declared_subclass_calling_the_parent_step_is_served_exactly() -> None:
+    optim.SGD([torch.zeros(1, requires_grad=True)])  # torch wraps SGD.step with its hooks
+    plain_model, plain, model, opt = pair(DeclaredLoggingSGD, FAMILIES["SGD"][1], _config())
+    lockstep(plain_model, plain, model, opt, 4)
+
+
+# ---- transformers' Adafactor -------------------------------------------------------------
+
+ADAFACTOR = {
+    "relative_step": {},
+    "no_scale_parameter": {"scale_parameter": False},
+    "warmup_init": {"warmup_init": True},
+    "beta1": {"beta1": 0.9, "weight_decay": 0.01},
+    "fixed_lr": {"lr": 1e-2, "relative_step": False, "scale_parameter": False},
+}
+
+
+@PACKED
+@pytest.mark.parametrize("setting", list(ADAFACTOR))
+def test_transformers_adafactor(setting: str, packed: bool) -> None:
+    transformers_optimization = pytest.importorskip("transformers.optimization")
+    cls = transformers_optimization.Adafactor
+    kwargs = ADAFACTOR[setting]
+
+    def build(cls: type, model: torch.nn.Module, kwargs: dict[str, Any]) -> optim.Optimizer:
+        first, second = model.groups()  # type: ignore[operator]
+        return cls([{"params": first}, {"params": second, "clip_threshold": 0.5}], **kwargs)
+
+    plain_model, plain, model, opt = pair(cls, kwargs, _config(packed), build=build)
+    lockstep(plain_model, plain, model, opt, 4)

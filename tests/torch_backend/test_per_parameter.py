@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import io
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -227,6 +229,48 @@ def test_a_subclass_that_overrides_step_is_refused_unless_declared() -> None:
     with pytest.raises(UnsupportedOptimizerError, match=r"LoggingSGD.*swapopt_per_parameter"):
         swap_optimizer(opt, _config())
     assert not is_swap_optimizer(opt)
+
+
+class RenamedSGD(optim.SGD):
+    """An SGD subclass that keeps torch's step: served without declaring anything."""
+
+
+def test_a_subclass_that_keeps_step_is_served_exactly() -> None:
+    plain_model, plain, model, opt = pair(RenamedSGD, FAMILIES["SGD"][1], _config())
+    lockstep(plain_model, plain, model, opt, 4)
+
+
+#: The first instance of a subclass that only inherits ``step``, before any instance of its
+#: family: torch then puts its hook wrapper of the inherited step on the subclass itself.
+FIRST_INSTANCE = """
+import torch
+from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats
+
+class RenamedAdagrad(torch.optim.Adagrad):
+    pass
+
+params = [torch.nn.Parameter(torch.randn(40, 40))]
+opt = RenamedAdagrad(params, lr=0.1)
+assert "step" in vars(RenamedAdagrad)
+swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback", min_numel=0))
+plain_params = [p.detach().clone().requires_grad_() for p in params]
+plain = torch.optim.Adagrad(plain_params, lr=0.1)
+for seed in range(3):
+    for p in (params[0], plain_params[0]):
+        p.grad = torch.randn(40, 40, generator=torch.Generator().manual_seed(seed))
+    opt.step()
+    plain.step()
+assert torch.equal(params[0], plain_params[0])
+assert swap_stats(opt).swapped_tensors == 1
+print("served")
+"""
+
+
+def test_the_first_instance_of_a_subclass_that_keeps_step_is_served() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_INSTANCE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "served", done.stderr[-2000:]
 
 
 @pytest.mark.xfail(

@@ -154,21 +154,23 @@ def lockstep(
     start: int = 0,
     clip: float | None = None,
     schedulers: tuple[Any, Any] = (None, None),
+    min_numel: int = MIN_NUMEL,
 ) -> None:
-    """Step both copies and compare parameters, groups and every state entry after each."""
+    """Step both copies and compare parameters, groups and every state entry after each;
+    then check the swap holds what it should of ``opt``'s state (``min_numel`` as swapped)."""
     for index in range(start, start + steps):
         step(plain_model, plain, index, clip=clip, scheduler=schedulers[0])
         step(model, opt, index, clip=clip, scheduler=schedulers[1])
         assert_same(plain, opt, plain_model, model)
     stats = swap_stats(opt)
-    assert stats.swapped_tensors == expected_swapped(plain)
+    assert stats.swapped_tensors == expected_swapped(plain, min_numel)
     if stats.swapped_tensors:
         assert stats.h2d_bytes > 0 and stats.d2h_bytes > 0
 
 
-def expected_swapped(plain: torch.optim.Optimizer) -> int:
+def expected_swapped(plain: torch.optim.Optimizer, min_numel: int = MIN_NUMEL) -> int:
     """How many entries of the unswapped ``plain``'s state the swap should hold: floating
-    point tensors of at least one dimension and ``MIN_NUMEL`` elements."""
+    point tensors of at least one dimension and ``min_numel`` elements."""
     return sum(
         1
         for state in plain.state.values()
@@ -176,7 +178,7 @@ def expected_swapped(plain: torch.optim.Optimizer) -> int:
         if isinstance(value, torch.Tensor)
         and value.dim() > 0
         and value.is_floating_point()
-        and value.numel() >= MIN_NUMEL
+        and value.numel() >= min_numel
     )
 
 

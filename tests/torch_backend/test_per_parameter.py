@@ -21,7 +21,9 @@ from swapopt_core import (
     new_plugin_manager,
     swap_optimizer,
     swap_stats,
+    unswap_optimizer,
 )
+from swapopt_core._swap.engine import engine_of
 from tests.conftest import assert_same, loopback
 from tests.torch_backend.per_parameter_cases import (
     MIN_NUMEL,
@@ -58,7 +60,7 @@ PACKED = pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_te
 
 
 def _config(packed: bool = True, **kwargs: Any):
-    return loopback(swap_times=3, min_numel=MIN_NUMEL, packed_swap=packed, **kwargs)
+    return loopback(**{"swap_times": 3, "min_numel": MIN_NUMEL, "packed_swap": packed, **kwargs})
 
 
 def _round_trip(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +120,111 @@ def test_plain_checkpoint_loads_into_a_swapped_optimizer(name: str) -> None:
     swap_optimizer(opt, _config())
     opt.load_state_dict(_round_trip(plain.state_dict()))
     lockstep(plain_model, plain, model, opt, 3, start=3)
+
+
+# ---- the step's other ways of use ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["SGD", "Rprop", "Adafactor", "Muon", "RMSprop"])
+def test_a_closure_runs_once_and_its_loss_is_returned(name: str) -> None:
+    cls, kwargs = FAMILIES[name]
+    plain_model, plain, model, opt = pair(cls, kwargs, _config())
+    for index in range(4):
+        losses: list[torch.Tensor] = []
+        calls: list[int] = []
+        for each_model, each in ((plain_model, plain), (model, opt)):
+
+            def closure(
+                m: Any = each_model, o: Any = each, i: int = index, seen: list[int] = calls
+            ) -> torch.Tensor:
+                seen.append(i)
+                o.zero_grad()
+                loss = m.loss(i)
+                loss.backward()
+                return loss
+
+            losses.append(each.step(closure))
+        assert torch.equal(losses[0], losses[1]) and len(calls) == 2
+        assert_same(plain, opt, plain_model, model)
+
+
+@PACKED
+def test_state_keys_choose_what_the_generic_path_swaps(packed: bool) -> None:
+    cls, kwargs = FAMILIES["RMSprop"]
+    config = _config(packed, state_keys=("momentum_buffer",))
+    plain_model, plain, model, opt = pair(cls, kwargs, config)
+    for index in range(4):
+        step(plain_model, plain, index)
+        step(model, opt, index)
+        assert_same(plain, opt, plain_model, model)
+    assert {key for _, key in engine_of(opt).slots} == {"momentum_buffer"}
+
+
+@PACKED
+@pytest.mark.parametrize("name", ["SGD", "Adagrad", "RMSprop", "Adafactor"])
+def test_a_resident_share_of_the_state(name: str, packed: bool) -> None:
+    cls, kwargs = FAMILIES[name]
+    config = _config(packed, resident_state_fraction=0.5)
+    plain_model, plain, model, opt = pair(cls, kwargs, config)
+    for index in range(5):
+        step(plain_model, plain, index)
+        step(model, opt, index)
+        assert_same(plain, opt, plain_model, model)
+    stats = swap_stats(opt)
+    assert stats.resident_for_good_bytes > 0 and stats.swapped_tensors > 0
+
+
+def test_unswap_and_swap_again_mid_training() -> None:
+    cls, kwargs = FAMILIES["NAdam"]
+    plain_model, plain, model, opt = pair(cls, kwargs, _config())
+    lockstep(plain_model, plain, model, opt, 3)
+    unswap_optimizer(opt)
+    for index in range(3, 5):
+        step(plain_model, plain, index)
+        step(model, opt, index)
+        assert_same(plain, opt, plain_model, model)
+    swap_optimizer(opt, _config(False))
+    lockstep(plain_model, plain, model, opt, 3, start=5)
+
+
+class ConvMixed(torch.nn.Module):
+    """A 4-D convolution (optionally channels_last), a 3-D parameter and a bfloat16 head."""
+
+    def __init__(self, channels_last: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.cube = torch.nn.Parameter(torch.randn(4, 6, 5))
+        self.head = torch.nn.Linear(8, 4).to(torch.bfloat16)
+        self.channels_last = channels_last
+        if channels_last:
+            self.conv.to(memory_format=torch.channels_last)
+
+    def loss(self, index: int) -> torch.Tensor:
+        x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(index))
+        if self.channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        h = self.conv(x).mean((2, 3))
+        return self.head(h.bfloat16()).float().sum() + 0.01 * self.cube.square().sum()
+
+
+@PACKED
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("name", ["SGD", "Adafactor", "Adagrad", "RMSprop"])
+def test_conv_cube_and_bfloat16_parameters(name: str, channels_last: bool, packed: bool) -> None:
+    """State of every shape and two dtypes; channels_last state (not contiguous) stays put."""
+    cls, kwargs = FAMILIES[name]
+    plain_model = ConvMixed(channels_last)
+    model = copy.deepcopy(plain_model)
+    plain, opt = cls(plain_model.parameters(), **kwargs), cls(model.parameters(), **kwargs)
+    swap_optimizer(opt, _config(packed, min_numel=0))
+    for index in range(4):
+        step(plain_model, plain, index)
+        step(model, opt, index)
+        assert_same(plain, opt, plain_model, model)
+    tensors = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    contiguous = sum(1 for v in tensors if v.is_contiguous())
+    assert swap_stats(opt).swapped_tensors == contiguous > 0
 
 
 # ---- refusals ------------------------------------------------------------------------------

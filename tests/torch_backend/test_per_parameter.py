@@ -73,12 +73,20 @@ def _round_trip(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 @PACKED
+@pytest.mark.parametrize("saved_after", [2, 3], ids=["new_state_pending", "laid_out"])
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_state_dict_round_trip_keeps_training_exactly(name: str, packed: bool) -> None:
-    """Swapped -> state_dict -> a fresh swapped optimizer: equal to an uninterrupted run."""
+def test_state_dict_round_trip_keeps_training_exactly(
+    name: str, saved_after: int, packed: bool
+) -> None:
+    """Swapped -> state_dict -> a fresh swapped optimizer: equal to an uninterrupted run.
+
+    After 2 steps, the state ``odd``'s first step created is not packed yet; after 3 it is.
+    The optimizer saved from goes on exactly too.
+    """
     cls, kwargs = FAMILIES[name]
     plain_model, plain, model, opt = pair(cls, kwargs, _config(packed))
-    lockstep(plain_model, plain, model, opt, 3)
+    lockstep(plain_model, plain, model, opt, saved_after)
+    twin_model, twin = copy.deepcopy((plain_model, plain))
     saved = _round_trip(opt.state_dict())
     assert all(
         v.device.type == "cpu"
@@ -91,7 +99,8 @@ def test_state_dict_round_trip_keeps_training_exactly(name: str, packed: bool) -
     swap_optimizer(resumed, _config(packed))
     resumed.load_state_dict(saved)
     assert swap_stats(resumed).h2d_bytes == 0  # loading moved nothing to the device
-    lockstep(plain_model, plain, resumed_model, resumed, 3, start=3)
+    lockstep(plain_model, plain, resumed_model, resumed, 3, start=saved_after)
+    lockstep(twin_model, twin, model, opt, 3, start=saved_after)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

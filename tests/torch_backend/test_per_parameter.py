@@ -23,6 +23,7 @@ from swapopt_core import (
     swap_stats,
     unswap_optimizer,
 )
+from swapopt_core._api import reconfigure_swap
 from swapopt_core._swap.engine import engine_of
 from tests.conftest import assert_same, loopback
 from tests.torch_backend.per_parameter_cases import (
@@ -194,6 +195,36 @@ def test_unswap_and_swap_again_mid_training() -> None:
         assert_same(plain, opt, plain_model, model)
     swap_optimizer(opt, _config(False))
     lockstep(plain_model, plain, model, opt, 3, start=5)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad", "Muon", "SparseAdam"])
+def test_a_tensor_learning_rate_under_a_scheduler(name: str) -> None:
+    cls, kwargs = FAMILIES[name]
+    kwargs = {**kwargs, "lr": torch.tensor(0.02)}
+    plain_model, plain, model, opt = pair(cls, kwargs, _config())
+    scheds = tuple(optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (plain, opt))
+    lockstep(plain_model, plain, model, opt, 4, schedulers=scheds)
+
+
+@PACKED
+@pytest.mark.parametrize("name", ["ASGD", "Rprop", "Adafactor", "SparseAdam"])
+def test_installed_after_training_started_and_reconfigured(name: str, packed: bool) -> None:
+    """State the family created before install is taken to host memory; ``min_numel``
+    changes move entries in and out."""
+    cls, kwargs = FAMILIES[name]
+    plain_model = make_net(cls)
+    model = copy.deepcopy(plain_model)
+    plain, opt = make_opt(cls, plain_model, kwargs), make_opt(cls, model, kwargs)
+    for index in range(2):
+        step(plain_model, plain, index)
+        step(model, opt, index)
+    swap_optimizer(opt, _config(packed))
+    assert swap_stats(opt).swapped_tensors > 0
+    lockstep(plain_model, plain, model, opt, 3, start=2)
+    reconfigure_swap(opt, _config(packed, min_numel=0, swap_times=2))
+    lockstep(plain_model, plain, model, opt, 2, start=5, min_numel=0)
+    reconfigure_swap(opt, _config(packed, min_numel=600))
+    lockstep(plain_model, plain, model, opt, 2, start=7, min_numel=600)
 
 
 class ConvMixed(torch.nn.Module):

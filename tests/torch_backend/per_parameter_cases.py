@@ -16,10 +16,33 @@ import torch
 from torch import nn
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats
-from tests.conftest import assert_same
+from tests.conftest import assert_same, loopback
 
 #: ``min_numel`` of every case: ``tiny`` (3) and the 8-element bias stay resident.
 MIN_NUMEL = 16
+
+#: One configuration with state per family (the database's defaults keep none for SGD).
+FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
+    "SGD": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.05, "lr_decay": 0.01}),
+    "Adadelta": (torch.optim.Adadelta, {"weight_decay": 0.1}),
+    "Adamax": (torch.optim.Adamax, {}),
+    "ASGD": (torch.optim.ASGD, {"t0": 1}),
+    "NAdam": (torch.optim.NAdam, {"weight_decay": 0.1}),
+    "RAdam": (torch.optim.RAdam, {}),
+    "RMSprop": (torch.optim.RMSprop, {"centered": True, "momentum": 0.5}),
+    "Rprop": (torch.optim.Rprop, {}),
+    "Adafactor": (torch.optim.Adafactor, {"lr": 0.01}),
+    "Muon": (torch.optim.Muon, {}),
+    "SparseAdam": (torch.optim.SparseAdam, {}),
+    "Adam": (torch.optim.Adam, {"amsgrad": True}),
+    "AdamW": (torch.optim.AdamW, {}),
+}
+
+
+def config(packed: bool = True, **kwargs: Any) -> SwapOptimizerConfig:
+    """The cases' config on the test's loopback runtime (``tests.conftest.loopback``)."""
+    return loopback(**{"swap_times": 3, "min_numel": MIN_NUMEL, "packed_swap": packed, **kwargs})
 
 
 class DenseNet(nn.Module):

@@ -61,9 +61,19 @@ def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _unhooked(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` without the hook wrapper torch puts around each optimizer class's step."""
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
 def _step_owner(cls: type) -> type:
-    """The class in ``cls``'s MRO whose ``step`` the optimizer runs."""
-    return next(k for k in cls.__mro__ if "step" in vars(k))
+    """The class in ``cls``'s MRO that defines the ``step`` the optimizer runs.
+
+    The first instance of a subclass that only inherits ``step`` gets torch's hook wrapper
+    of the inherited step in the subclass's own namespace: that does not make it the owner.
+    """
+    raw = _unhooked(cls.step)  # type: ignore[attr-defined]
+    return [k for k in cls.__mro__ if "step" in vars(k) and _unhooked(vars(k)["step"]) is raw][-1]
 
 
 def refusal(optimizer: object) -> str | None:
@@ -85,8 +95,7 @@ def own_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     torch wraps each optimizer class's ``step`` once, in a function that runs the step pre-
     and post-hooks (ours among them); a batch's update must not run them again.
     """
-    step: Callable[..., Any] = type(optimizer).step
-    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+    return _unhooked(type(optimizer).step)
 
 
 class _Hiding:

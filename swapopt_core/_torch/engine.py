@@ -203,6 +203,9 @@ class SwapEngine(EngineBase):
     # ---- the step ------------------------------------------------------------------------
 
     def _post_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        inside = getattr(self.adapter, "inside_step", None)
+        if inside is not None and inside(opt):
+            return  # a subclass's super().step(): the outermost call's hooks step
         self.step()
 
     def step(self) -> None:

@@ -18,7 +18,7 @@ the engine's step post-hook runs the batches.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from typing import Any
 
@@ -103,11 +103,22 @@ class _Hiding:
 
     While hidden, ``optimizer.param_groups`` is an empty list: a step that has already run
     its closure loops over no group and returns the closure's loss.
+
+    A subclass's ``step`` that calls ``super().step()`` runs torch's hook wrapper twice, one
+    call inside the other: the inner call is recognised by the closure it is handed (ours),
+    and only the outermost call's post-hooks show the groups and let the engine step.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.groups: list[dict[str, Any]] | None = None
+        #: Hook-wrapped ``step`` calls under way (more than one: a nested ``super().step()``).
+        self.depth = 0
+
+    @property
+    def inside(self) -> bool:
+        """Whether the post-hooks now running belong to a nested ``step`` call."""
+        return self.depth > 0
 
     def hide(self) -> None:
         if self.groups is None:
@@ -124,18 +135,23 @@ class _Hiding:
 
     def before_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Step pre-hook: hand the step a closure that hides the groups once it returned."""
-        self.show()  # a step that raised after hiding left them hidden
         # ``args`` starts with the optimizer itself; the closure follows, or is a keyword.
         positional = len(args) > 1
         closure = args[1] if positional else kwargs.get("closure")
+        if getattr(closure, "hiding", None) is self:
+            self.depth += 1  # a nested call: the outer one wrapped the closure already
+            return None
+        self.show()  # a step that raised after hiding left them hidden
+        self.depth = 1
 
         def closure_then_hide() -> Any:
             loss = closure() if closure is not None else None
             self.hide()
             return loss
 
+        closure_then_hide.hiding = self  # type: ignore[attr-defined]
         if positional:
             return (args[0], closure_then_hide, *args[2:]), kwargs
         return args, {**kwargs, "closure": closure_then_hide}
@@ -144,12 +160,19 @@ class _Hiding:
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """Step post-hook, ahead of the engine's: the groups are back for the batches."""
+        self.depth = max(0, self.depth - 1)
+        if self.inside:
+            return
         if not self.show():
             raise SwapOptError(
                 f"{type(optimizer).__name__}.step() returned without calling its closure, so "
                 "it may have updated its parameters itself; swapopt needs a step that calls "
                 "its closure before updating. Leave this optimizer unswapped."
             )
+
+
+#: The attribute under which an optimizer keeps its ``_Hiding`` while swapped.
+_HIDING_ATTR = "_swapopt_hiding"
 
 
 class PerParameterAdapter(OptimizerAdapter):
@@ -242,13 +265,21 @@ class PerParameterAdapter(OptimizerAdapter):
         pre = optimizer.register_step_pre_hook(hiding.before_step)
         post = optimizer.register_step_post_hook(hiding.after_step)
         optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)  # type: ignore[attr-defined]
+        setattr(optimizer, _HIDING_ATTR, hiding)
 
         def undo() -> None:
             hiding.show()
             pre.remove()
             post.remove()
+            delattr(optimizer, _HIDING_ATTR)
 
         return undo
+
+    def inside_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the step post-hooks now running belong to a nested ``step`` call (a
+        subclass's ``super().step()``): the engine steps only after the outermost one."""
+        hiding = getattr(optimizer, _HIDING_ATTR, None)
+        return hiding is not None and hiding.inside
 
     def update(
         self,
@@ -261,12 +292,21 @@ class PerParameterAdapter(OptimizerAdapter):
         """Run the family's own step with ``group`` holding ``params`` only and ``states``
         as their state; the group's other settings are read as they are."""
         groups, state, members = optimizer.param_groups, optimizer.state, group["params"]
+        hooks = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
         group["params"] = list(params)
         optimizer.param_groups = [group]  # type: ignore[list-item]
         optimizer.state = defaultdict(dict, zip(params, states, strict=True))
+        # A parent's hook-wrapped step reached through ``super().step()`` runs no hook
+        # inside a batch: ours would hide the batch and step the engine again.
+        optimizer._optimizer_step_pre_hooks = OrderedDict()
+        optimizer._optimizer_step_post_hooks = OrderedDict()
         try:
             own_step(optimizer)(optimizer)
         finally:
             group["params"] = members
             optimizer.param_groups = groups
             optimizer.state = state
+            (
+                optimizer._optimizer_step_pre_hooks,
+                optimizer._optimizer_step_post_hooks,
+            ) = hooks

@@ -214,14 +214,20 @@ class SwapEngine(EngineBase):
 
     def open_step(self, call: Any) -> TorchStep:
         opt = self.optimizer
-        self.adapter.validate(opt)
-        check_params(opt.param_groups)
-        if not getattr(self.adapter, "whole_tensors", False):
-            # The generic path hands each gradient to the family's own step, which knows
-            # whether it takes sparse ones (SparseAdam does).
-            check_grads(opt.param_groups, self.adapter.family)
-        self.prefetch.watch(self._params())
-        return TorchStep(opt, self.adapter, self.book, self._sync(stepping=True))
+        try:
+            self.adapter.validate(opt)
+            check_params(opt.param_groups)
+            if not getattr(self.adapter, "whole_tensors", False):
+                # The generic path hands each gradient to the family's own step, which knows
+                # whether it takes sparse ones (SparseAdam does).
+                check_grads(opt.param_groups, self.adapter.family)
+            self.prefetch.watch(self._params())
+            return TorchStep(opt, self.adapter, self.book, self._sync(stepping=True))
+        except BaseException:
+            # No pipeline takes the batches prefetched during backward: give them back now
+            # rather than hold them on the device until the next step.
+            self.prefetch.drop()
+            raise
 
     def computing(self) -> contextlib.AbstractContextManager[Any]:
         return torch.no_grad()

@@ -105,12 +105,6 @@ def _inject(opt: torch.optim.Optimizer, point: str, at: int, error: type) -> Non
     setattr(obj, attr, faulty)
 
 
-def _before_the_pipeline(name: str, point: str, packed: bool) -> bool:
-    """Whether the fault hits the packed relayout at the start of a later step (state the
-    last step created is packed then), before the step takes the prefetch of its backward."""
-    return point == "alloc_host" and packed and FAMILIES[name][2] > 0
-
-
 CASES = [
     pytest.param(name, point, which, error, id=f"{name}-{point}-{which}-{error.__name__}")
     for name in FULL
@@ -165,8 +159,7 @@ def test_a_fault_mid_step_and_a_retry(
         for p, q in zip(group["params"], plain_group["params"], strict=True):
             assert set(opt.state.get(p, {})) in (before[p], set(plain.state.get(q, {})))
     stats = swap_stats(opt)
-    if not _before_the_pipeline(name, point, packed):
-        assert stats.resident_state_bytes == 0  # else see the xfail test below
+    assert stats.resident_state_bytes == 0
     assert stats.steps == fault_step
     for p, g in zip(model.parameters(), grads, strict=True):
         assert (p.grad is None) == (g is None) and (g is None or torch.equal(p.grad.to_dense(), g))
@@ -192,12 +185,6 @@ def test_the_faults_reach_state_created_inside_the_step() -> None:
     assert swap_stats(opt).swapped_tensors > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a step that fails while opening (here the packed relayout's host allocation) "
-    "leaves the batches prefetched during its backward on the device until the next step "
-    "(the engine drops the prefetch only once the pipeline runs); training stays exact",
-)
 def test_a_step_failing_before_its_pipeline_gives_back_the_prefetch() -> None:
     model, opt = _swapped("RMSprop", True, "loopback")
     for index in range(2):

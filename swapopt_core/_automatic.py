@@ -22,7 +22,7 @@ from swapopt_core._api import is_swap_optimizer, swap_optimizer
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._errors import SwapOptWarning, UnsupportedOptimizerError
 from swapopt_core._launch import note_nothing_to_swap
-from swapopt_core._options import NO, YES, Invalid, parse_bool
+from swapopt_core._options import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +43,11 @@ def strict_mode(environ: Mapping[str, str] | None = None) -> bool:
         ValueError: The variable holds something other than a yes/no word; the message
             names it, shows the value and lists the accepted words.
     """
-    raw = (os.environ if environ is None else environ).get(STRICT_ENV, "")
-    if not raw.strip():
-        return False
-    try:
-        return parse_bool(raw)
-    except Invalid:
-        raise ValueError(
-            f"environment variable {STRICT_ENV}={raw!r} is invalid; accepted (any case): "
-            f"{'/'.join(YES)} to raise for an optimizer swapopt cannot serve, "
-            f"{'/'.join(NO)} or empty to leave it unswapped with a warning."
-        ) from None
+    return env_flag(
+        os.environ if environ is None else environ,
+        STRICT_ENV,
+        "to raise for an optimizer swapopt cannot serve (no: leave it unswapped with a warning)",
+    )
 
 
 def refused(optimizer: object) -> bool:

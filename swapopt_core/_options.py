@@ -59,6 +59,26 @@ def parse_bool(value: object) -> bool:
     raise Invalid
 
 
+def env_flag(environ: Mapping[str, str], name: str, meaning: str = "") -> bool:
+    """Environment variable ``name`` as a yes/no word; unset or empty: no.
+
+    Raises:
+        ValueError: It holds another word: the message names it, shows the value and lists
+            the accepted words (with ``meaning``, what a yes does).
+    """
+    raw = environ.get(name, "")
+    if not raw.strip():
+        return False
+    try:
+        return parse_bool(raw)
+    except Invalid:
+        yes = f"; a yes word {meaning}" if meaning else ""
+        raise ValueError(
+            f"environment variable {name}={raw!r} is invalid; accepted: a boolean "
+            f"({'/'.join(YES + NO)}, any case; empty for no){yes}."
+        ) from None
+
+
 def parse_int(minimum: int) -> Callable[[object], int]:
     """A parser for integers >= ``minimum``, given as an int or its decimal text."""
 

@@ -43,6 +43,7 @@ from swapopt_core._options import (
     YES,
     Invalid,
     Option,
+    env_flag,
     parse_bool,
     parse_int,
     parse_mib,
@@ -231,16 +232,7 @@ def auto_enabled(environ: Mapping[str, str]) -> bool:
     Raises:
         ValueError: The variable holds something other than a yes/no word.
     """
-    raw = environ.get(AUTO_ENV, "")
-    if not raw.strip():
-        return False
-    try:
-        return parse_bool(raw)
-    except Invalid:
-        raise ValueError(
-            f"environment variable {AUTO_ENV}={raw!r} is invalid; accepted: a boolean "
-            f"({'/'.join(YES + NO)})."
-        ) from None
+    return env_flag(environ, AUTO_ENV, "to add the callback to every Trainer")
 
 
 def enable_lightning_auto(environ: MutableMapping[str, str] | None = None) -> bool:

@@ -43,10 +43,23 @@ class _MomentumFamily(MindSporeAdapter):
         """The learning rate of parameter ``index``."""
         return self.per_parameter(prepared[1], optimizer.is_group_lr, index)
 
-    def lr_column(self, optimizer: Any, prepared: Any, indices: Sequence[int]) -> list[Any]:
-        """The learning-rate column of a batch: one per parameter with group rates."""
-        lr = prepared[1]
-        return [lr[i] for i in indices] if optimizer.is_group_lr else [lr]
+    def columns(
+        self, optimizer: Any, prepared: Any, work: Sequence[Work], keys: Sequence[str]
+    ) -> Any:
+        """A batch's graph inputs: gradients, parameters, the state ``keys`` in order, the
+        learning rate (one per parameter with group rates) and ``momentum``."""
+        from swapopt_core._mindspore.graphs import Columns
+
+        gradients, lr = prepared
+        indices = [index for index, _ in work]
+        columns = Columns()
+        columns.add([gradients[i] for i in indices])
+        columns.add([optimizer._parameters[i] for i in indices])
+        for key in keys:
+            columns.add([states[key] for _, states in work])
+        columns.add([lr[i] for i in indices] if optimizer.is_group_lr else [lr])
+        columns.add([optimizer.momentum])
+        return columns
 
 
 class NnMomentumAdapter(_MomentumFamily):
@@ -70,17 +83,9 @@ class NnMomentumAdapter(_MomentumFamily):
     def update_batch(
         self, optimizer: Any, prepared: Any, work: Sequence[Work], graphs: GraphCache
     ) -> list[Any]:
-        from swapopt_core._mindspore.graphs import Columns
         from swapopt_core._mindspore.momentum_graphs import MomentumBatch
 
-        gradients = prepared[0]
-        indices = [index for index, _ in work]
-        columns = Columns()
-        columns.add([gradients[i] for i in indices])
-        columns.add([optimizer._parameters[i] for i in indices])
-        columns.add([states["momentum_buffer"] for _, states in work])
-        columns.add(self.lr_column(optimizer, prepared, indices))
-        columns.add([optimizer.momentum])
+        columns = self.columns(optimizer, prepared, work, ("momentum_buffer",))
         graph = graphs.get(columns.key, lambda: MomentumBatch(optimizer, columns))
         return list(columns.call(graph))
 
@@ -111,18 +116,9 @@ class NnSGDAdapter(_MomentumFamily):
     def update_batch(
         self, optimizer: Any, prepared: Any, work: Sequence[Work], graphs: GraphCache
     ) -> list[Any]:
-        from swapopt_core._mindspore.graphs import Columns
         from swapopt_core._mindspore.momentum_graphs import SGDBatch
 
-        gradients = prepared[0]
-        indices = [index for index, _ in work]
-        columns = Columns()
-        columns.add([gradients[i] for i in indices])
-        columns.add([optimizer._parameters[i] for i in indices])
-        columns.add([states["momentum_buffer"] for _, states in work])
-        columns.add([states["stat"] for _, states in work])
-        columns.add(self.lr_column(optimizer, prepared, indices))
-        columns.add([optimizer.momentum])
-        kernels = tuple(optimizer.opt[i] for i in indices)
+        columns = self.columns(optimizer, prepared, work, ("momentum_buffer", "stat"))
+        kernels = tuple(optimizer.opt[index] for index, _ in work)
         graph = graphs.get(columns.key, lambda: SGDBatch(optimizer, columns, kernels))
         return list(columns.call(graph))

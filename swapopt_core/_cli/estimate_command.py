@@ -61,7 +61,11 @@ def _estimate_command(parser: argparse.ArgumentParser) -> Handler:
     )
     where.add_argument("--profile", metavar="FILE", help="a device profile JSON file instead")
     add("--budget-mb", type=_budget_mb, metavar="MB", help="device budget of the plan, in MiB")
-    add("--optimizer", default="adamw", help="adamw, adam or sgd (default: %(default)s)")
+    add(
+        "--optimizer",
+        default="adamw",
+        help="adamw, adam, sgd, adagrad, rmsprop or muon (default: %(default)s)",
+    )
     add("--dtype", help="float32, bfloat16 or float16 (default: the config's torch_dtype)")
     add(
         "--min-numel",

@@ -49,6 +49,9 @@ OPTIMIZERS = {
     "adamw": OptimizerModel(states=2, element_passes=20, launches=10),
     "adam": OptimizerModel(states=2, element_passes=20, launches=10),
     "sgd": OptimizerModel(states=1, element_passes=8, launches=4),
+    "adagrad": OptimizerModel(states=1, element_passes=10, launches=5),
+    "rmsprop": OptimizerModel(states=1, element_passes=10, launches=5),
+    "muon": OptimizerModel(states=1, element_passes=8, launches=4),
 }
 
 

@@ -119,8 +119,9 @@ def test_optimizer_costs_split_fixed_and_swappable() -> None:
     assert costs.update_ms_per_byte * state == pytest.approx(moved / 10e9 * 1e3)
 
 
-def test_sgd_has_one_state() -> None:
-    found = estimate(model_spec(TINY), 1, 16, PROFILE, _Nothing(), optimizer="sgd")
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rmsprop", "muon"])
+def test_one_state_families(optimizer: str) -> None:
+    found = estimate(model_spec(TINY), 1, 16, PROFILE, _Nothing(), optimizer=optimizer)
     assert found.plain.optimizer_state_bytes == found.plain.grads_bytes
 
 

@@ -9,7 +9,13 @@ LBFGS is refused (see ``test_per_parameter.py``).
 
 from __future__ import annotations
 
+import pickle
 import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,15 +25,57 @@ from swapopt_core import swap_stats
 from tests.conftest import loopback
 from tests.torch_backend.per_parameter_cases import MIN_NUMEL, lockstep, make_opt, pair
 
-common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
-
 #: Each test runs on the synchronous loopback and on loopback-async with jitter.
 pytestmark = pytest.mark.usefixtures("swap_runtime", "single_thread")
 
 #: Families whose update reads across parameters: refused, not compared.
 REFUSED = {"LBFGS"}
 
-INFOS = {info.optim_cls.__name__: info for info in common_optimizers.optim_db}
+# Read in a child process: importing PyTorch's test utilities calls
+# torch.backends.disable_global_flags() for the whole process, after which Lightning's
+# Trainer (later in the same pytest run) cannot set its backend flags.
+_READ_OPTIM_DB = """
+import pickle, sys
+from torch.testing._internal.common_optimizers import optim_db
+found = {
+    info.optim_cls.__name__: (
+        tuple(info.supported_impls),
+        tuple(info.supports_fused_on),
+        [(i.desc, dict(i.kwargs), i.params is None) for i in info.optim_inputs_func(device="cpu")],
+    )
+    for info in optim_db
+}
+with open(sys.argv[1], "wb") as out:
+    pickle.dump(found, out)
+"""
+
+
+@dataclass(frozen=True)
+class _Info:
+    """What the tests take of one ``OptimizerInfo``."""
+
+    optim_cls: type
+    supported_impls: tuple[str, ...]
+    supports_fused_on: tuple[str, ...]
+    inputs: list[tuple[str, dict[str, Any], bool]]
+
+
+def _read_optim_db() -> dict[str, _Info]:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "optim_db.pickle"
+        done = subprocess.run(
+            [sys.executable, "-c", _READ_OPTIM_DB, str(path)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            pytest.skip(f"torch's optim_db cannot be read here: {done.stderr[-500:]}")
+        found = pickle.loads(path.read_bytes())
+    return {
+        name: _Info(getattr(torch.optim, name), impls, fused_on, inputs)
+        for name, (impls, fused_on, inputs) in found.items()
+    }
+
+
+INFOS = _read_optim_db()
 
 
 def _slug(text: str) -> str:
@@ -39,9 +87,9 @@ def _cases() -> list[Any]:
     for name, info in INFOS.items():
         if name in REFUSED:
             continue
-        for inp in info.optim_inputs_func(device="cpu"):
-            assert inp.params is None, f"{name} {inp.desc}: explicit params are not handled"
-            cases.append(pytest.param(name, dict(inp.kwargs), id=f"{name}-{_slug(inp.desc)}"))
+        for desc, kwargs, no_params in info.inputs:
+            assert no_params, f"{name} {desc}: explicit params are not handled"
+            cases.append(pytest.param(name, kwargs, id=f"{name}-{_slug(desc)}"))
     return cases
 
 
@@ -97,8 +145,8 @@ def test_optim_db_fused(name: str, kwargs: dict[str, Any], packed: bool) -> None
 
 def test_the_cases_cover_optim_db() -> None:
     """91 CPU configurations in all: LBFGS's 5 are refused, the other 86 compared."""
-    total = sum(len(info.optim_inputs_func(device="cpu")) for info in INFOS.values())
-    lbfgs = len(INFOS["LBFGS"].optim_inputs_func(device="cpu"))
+    total = sum(len(info.inputs) for info in INFOS.values())
+    lbfgs = len(INFOS["LBFGS"].inputs)
     assert len(CASES) == total - lbfgs
     assert {c.values[0] for c in CASES} == set(INFOS) - REFUSED
 

@@ -355,8 +355,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(argv: list[str] | None = None, console: Console | None = None) -> dict[str, Any]:
     """Run the benchmark, print its table, and return everything it measured."""
     args = parse_args(argv)
+    before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _measure(args, console)
+    finally:
+        torch.set_num_threads(before)  # an in-process caller (the smoke test) keeps its own
+
+
+def _measure(args: argparse.Namespace, console: Console | None) -> dict[str, Any]:
     swapopt = import_swapopt()
     if console is None:
         console = Console()

@@ -4,10 +4,12 @@ Keyword arguments, YAML sections, ``SWAPOPT_*`` environment variables and comman
 flags are all read by one parser (``read_options`` with ``Option`` fields, and the configs'
 ``SwapOptimizerConfig.from_options`` / ``OffloadConfig.from_options``), so a bad value gets
 the same kind of error wherever it is written. This module gives the integrations what they
-read: the parser's vocabulary, the ``SWAPOPT_*`` variables (``read_settings``,
-``SwapSettings``); the ``swap_optimizer:`` section of a MindFormers training YAML is read
-by ``swapopt_core.mindformers_yaml`` (``SwapOptimizerSection``) over the same parser. It
-imports no training framework.
+read: the parser's vocabulary, the ``SWAPOPT_*`` variables and the settings file named by
+``SWAPOPT_CONFIG`` (``read_settings``, ``SwapSettings``; explicit values win over variables,
+variables over the file, the file over the defaults; see ``docs/configuration.md``); the
+``swap_optimizer:`` section of a MindFormers training YAML is read by
+``swapopt_core.mindformers_yaml`` (``SwapOptimizerSection``) over the same parser. It imports
+no training framework.
 
 Settings (field name: environment variable):
 
@@ -33,11 +35,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from swapopt_core import OffloadConfig, SwapOptimizerConfig
 from swapopt_core._budget import check_device_budget, with_device_budget
+from swapopt_core._config_file import read_config_file
 from swapopt_core._options import (
     NO,
     YES,
@@ -50,11 +53,13 @@ from swapopt_core._options import (
     parse_name_list,
     read_options,
 )
+from swapopt_core._variables import CONFIG_ENV, SETTING_VARIABLES, warn_unknown_variables
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "AUTO_ENV",
+    "CONFIG_ENV",
     "ENV_VARS",
     "NO",
     "YES",
@@ -74,18 +79,7 @@ __all__ = [
 ]
 
 #: Field name -> the environment variable it defaults from.
-ENV_VARS: dict[str, str] = {
-    "offload_optimizer_device": "SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE",
-    "swap_times": "SWAPOPT_SWAP_TIMES",
-    "min_numel": "SWAPOPT_MIN_NUMEL",
-    "packed_swap": "SWAPOPT_PACKED_SWAP",
-    "runtime": "SWAPOPT_RUNTIME",
-    "activation_budget_mb": "SWAPOPT_ACTIVATION_BUDGET_MB",
-    "activation_runtime": "SWAPOPT_ACTIVATION_RUNTIME",
-    "device_budget_mb": "SWAPOPT_DEVICE_BUDGET_MB",
-    "resident_state_fraction": "SWAPOPT_RESIDENT_STATE_FRACTION",
-    "prefetch_batches": "SWAPOPT_PREFETCH_BATCHES",
-}
+ENV_VARS: dict[str, str] = SETTING_VARIABLES
 #: Set to a yes word to add the Lightning callback to every Trainer through entry points.
 AUTO_ENV = "SWAPOPT_LIGHTNING_AUTO"
 
@@ -130,11 +124,15 @@ class Settings:
         activations: The activation-offload config, or ``None`` when no budget is set; with
             a device budget it holds ``device_budget_mb`` (the session then plans the whole
             step with the optimizer, ``OffloadSession(config, optimizer=opt)``).
+        sources: Where each field given somewhere came from, by name, as errors name it
+            (``"Owner.swap_times"``, ``"environment variable SWAPOPT_SWAP_TIMES"``,
+            ``"/path/cfg.yaml: swap_times"``); fields left to their defaults are absent.
     """
 
     values: dict[str, Any]
     swap: SwapOptimizerConfig
     activations: OffloadConfig | None
+    sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -156,19 +154,27 @@ class Settings:
 def read_settings(
     explicit: Mapping[str, object], *, owner: str, environ: Mapping[str, str] | None = None
 ) -> Settings:
-    """Resolve every setting from an explicit value, else its environment variable.
+    """Resolve every setting: an explicit value, else its environment variable, else the
+    settings file named by ``SWAPOPT_CONFIG``, else the default.
+
+    The first call that reads an environment warns once per process about each
+    ``SWAPOPT_*`` variable swapopt does not read (``SwapOptWarning``, with the closest name).
 
     Args:
         explicit: Field name to value; ``None`` (or a missing name) reads the environment
-            variable, else the default. Unknown names are rejected.
+            variable, else the file, else the default. Unknown names are rejected.
         owner: How errors name an explicit value, e.g. ``"SwapOptimizerPlugin"``.
-        environ: Where variables are read. Default: ``os.environ``.
+        environ: Where variables (``SWAPOPT_CONFIG`` included) are read. Default:
+            ``os.environ``.
 
     Raises:
-        ValueError: A value or variable is invalid; the message names it (``owner.field`` or
-            ``environment variable NAME``), shows the value and says what is accepted.
+        ValueError: A value, variable or file key is invalid; the message names it
+            (``owner.field``, ``environment variable NAME`` or ``/path/file: key``), shows
+            the value and says what is accepted. The settings file cannot be read, is not
+            YAML/JSON/TOML by its suffix, or holds an unknown key (named with the closest).
     """
     environ = os.environ if environ is None else environ
+    warn_unknown_variables(environ)
     given: dict[str, object] = {}
     labels: dict[str, str] = {}
     for name, value in explicit.items():
@@ -183,6 +189,13 @@ def read_settings(
             continue  # an empty variable means "unset", except that it switches a budget off
         given[name] = raw
         labels[name] = f"environment variable {variable}"
+    path = environ.get(CONFIG_ENV, "").strip()
+    if path:
+        in_file, file_labels = read_config_file(path, ENV_VARS)
+        for name, value in in_file.items():
+            if name not in given:
+                given[name] = value
+                labels[name] = file_labels[name]
     unknown = sorted(set(given) - set(ENV_VARS))
     if unknown:
         raise ValueError(f"{owner} has no setting {unknown}; known: {sorted(ENV_VARS)}.")
@@ -223,7 +236,7 @@ def read_settings(
         "device_budget_mb": device_budget,
     }
     logger.debug("swapopt settings for %s: %s", owner, values)
-    return Settings(values, swap, activations)
+    return Settings(values, swap, activations, {name: labels[name] for name in given})
 
 
 def auto_enabled(environ: Mapping[str, str]) -> bool:
@@ -240,9 +253,10 @@ def enable_lightning_auto(environ: MutableMapping[str, str] | None = None) -> bo
 
     Done when ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` or ``SWAPOPT_DEVICE_BUDGET_MB`` is set
     (the callback then plans each step under it), or when an activation budget is set
-    and the device variable does not say ``none`` (the callback then swaps the optimizer state
-    too). A ``SWAPOPT_LIGHTNING_AUTO`` the user set is left as it is and decides. The variable
-    is inherited by the processes the script starts (DDP workers).
+    and the device setting does not say ``none`` (the callback then swaps the optimizer
+    state too); each setting is read from its variable or the ``SWAPOPT_CONFIG`` file. A
+    ``SWAPOPT_LIGHTNING_AUTO`` the user set is left as it is and decides. The variable is
+    inherited by the processes the script starts (DDP workers).
 
     Args:
         environ: Where the variables are read and set. Default: ``os.environ``.
@@ -257,8 +271,9 @@ def enable_lightning_auto(environ: MutableMapping[str, str] | None = None) -> bo
     settings = read_settings({}, owner="swapopt run", environ=environ)
     if environ.get(AUTO_ENV, "").strip():
         return auto_enabled(environ)
-    device = environ.get(ENV_VARS["offload_optimizer_device"], "").strip().lower()
-    if not (settings.enabled or (settings.activations is not None and device != "none")):
+    # "none" said in a variable or the settings file (not the default) keeps the callback off.
+    said_none = "offload_optimizer_device" in settings.sources and not settings.enabled
+    if not (settings.enabled or (settings.activations is not None and not said_none)):
         return False
     environ[AUTO_ENV] = "1"
     return True
@@ -269,8 +284,9 @@ class SwapSettings:
     """The ``SWAPOPT_*`` settings as a dataclass; each ``None`` field defaults from its variable.
 
     The fields are resolved when the object is created (explicit value, else the variable,
-    else the default), the way Accelerate's plugin dataclasses read ``ACCELERATE_*``; a field
-    set afterwards counts, a variable set afterwards does not.
+    else the ``SWAPOPT_CONFIG`` file, else the default), the way Accelerate's plugin
+    dataclasses read ``ACCELERATE_*``; a field set afterwards counts, a variable set
+    afterwards does not.
 
     Args:
         offload_optimizer_device: ``"cpu"`` keeps optimizer state in host memory, ``"none"``

@@ -267,11 +267,24 @@ def is_swap_optimizer(optimizer: object) -> bool:
 def unswap_optimizer(optimizer: OptimizerT) -> OptimizerT:
     """Move the swapped state back to the device and remove the swap.
 
+    An optimizer that is not swapped (never swapped, unswapped already, or left unswapped by
+    an automatic way in as one swapopt cannot serve) is returned as it is with a
+    ``SwapOptWarning`` naming its class: nothing was undone, which usually means the call
+    got another object than the one swapped (a wrapper, or the optimizer before a
+    ``prepare``). Check ``is_swap_optimizer(optimizer)`` first where either is fine.
+
     Returns:
-        ``optimizer``, now a plain optimizer again. A no-op if it was not swapped.
+        ``optimizer``, now a plain optimizer again.
     """
     engine = engine_of(optimizer)
     if engine is None:
+        warnings.warn(
+            f"unswap_optimizer: this {type(optimizer).__name__} is not swapped, so nothing "
+            "was undone. Pass the optimizer swap_optimizer returned (not a wrapper around "
+            "it), or check is_swap_optimizer(optimizer) first.",
+            SwapOptWarning,
+            stacklevel=2,
+        )
         return optimizer
     engine.uninstall()
     engine.plugin_manager.hook.swapopt_on_uninstall(optimizer=optimizer)

@@ -333,7 +333,7 @@ class SwapCallbackCore:
             errors: list[BaseException] = []
             for handle in self._handles:
                 handle.remove()
-            for opt in self._installed:
+            for opt in filter(is_swap_optimizer, self._installed):  # unless unswapped since
                 try:
                     unswap_optimizer(opt)
                 except Exception as error:  # one failure must not leave the others swapped

@@ -143,8 +143,9 @@ class SwapState:
         """Unswap every optimizer kept here (also those swapped before) and drop the session."""
         optimizers, self.optimizers, self.session = self.optimizers, [], None
         for opt in optimizers:
-            if not release(self.unwrap(opt)):  # kept ones, swapped before prepare, too
-                unswap_optimizer(self.unwrap(opt))
+            inner = self.unwrap(opt)
+            if not release(inner) and is_swap_optimizer(inner):  # kept ones, swapped before
+                unswap_optimizer(inner)
 
     def offload(self) -> int:
         """Take the state of every optimizer kept here to host memory (e.g. after a checkpoint

@@ -9,7 +9,13 @@ import io
 import pytest
 import torch
 
-from swapopt_core import is_swap_optimizer, swap_optimizer, swap_stats, unswap_optimizer
+from swapopt_core import (
+    SwapOptWarning,
+    is_swap_optimizer,
+    swap_optimizer,
+    swap_stats,
+    unswap_optimizer,
+)
 from swapopt_core._swap.engine import engine_of
 from tests.conftest import assert_nothing_resident, assert_same, loopback, make_model, train, twin
 
@@ -249,7 +255,8 @@ def test_unswap_then_continue(setup, packed):
     assert not live & {id(h) for h in hosts}
     with pytest.raises(ValueError, match="not swapped"):
         swap_stats(opt)
-    assert unswap_optimizer(opt) is opt  # a second call is a no-op
+    with pytest.warns(SwapOptWarning, match="AdamW is not swapped, so nothing was undone"):
+        assert unswap_optimizer(opt) is opt  # a second call undoes nothing, and says so
     train(model, opt, TOTAL - MIDDLE, start=MIDDLE)
     assert_same(ref_opt, opt, ref_model, model)
 

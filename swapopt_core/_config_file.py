@@ -101,16 +101,16 @@ def _unknown(path: str, prefix: str, key: object, fields: Collection[str]) -> st
     """Why ``key`` is refused, with the closest field name or the variable it must be."""
     if not isinstance(key, str):
         return f"{prefix}{key!r} is not a setting name (names are text)"
+    label = f"{prefix}{key}"
     if key.lower() in VARIABLE_ONLY:
         variable = VARIABLE_ONLY[key.lower()]
         return (
-            f"{prefix}{key!r} is not read from the file: set the environment variable "
-            f"{variable} instead"
+            f"{label!r} is not read from the file: set the environment variable {variable} instead"
         )
     name = key.lower()
     name = name[len("swapopt_") :] if name.startswith("swapopt_") else name
     near = name if name in fields else closest(name, fields)
-    return f"{prefix}{key!r} is unknown" + (f" (did you mean {near!r}?)" if near else "")
+    return f"{label!r} is unknown" + (f" (did you mean {near!r}?)" if near else "")
 
 
 def read_config_file(

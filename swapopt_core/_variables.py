@@ -82,8 +82,11 @@ def warn_unknown_variables(environ: Mapping[str, str]) -> list[str]:
     )
     for name in fresh:
         _warned.add(name)
-        near = closest(name, VARIABLES)
-        hint = f"did you mean {near}?" if near else f"known: {', '.join(sorted(VARIABLES))}."
+        # Compared without the prefix they all share, which would make any two names close.
+        near = closest(name[len(PREFIX) :], [known[len(PREFIX) :] for known in VARIABLES])
+        hint = (
+            f"did you mean {PREFIX}{near}?" if near else f"known: {', '.join(sorted(VARIABLES))}."
+        )
         warnings.warn(
             f"swapopt does not read the environment variable {name} (it is ignored); {hint}",
             SwapOptWarning,

@@ -8,6 +8,11 @@ reads a top-level ``swap_optimizer:`` section, turns it into that callback entry
 pynative ``Trainer``. Only
 PyNative mode is served; in graph mode MindFormers has its own host-side optimizer state
 (``optimizer: {type: AdamW, swap: True}``).
+
+The settings come from the callback's keys (or the ``swap_optimizer:`` section), not from
+the ``SWAPOPT_*`` setting variables or the ``SWAPOPT_CONFIG`` file of the torch
+integrations; of the variables, MindFormers runs read ``SWAPOPT_STRICT`` (and the loopback
+runtimes' pacing). A ``SWAPOPT_*`` name swapopt does not read warns once at train begin.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from swapopt_core import SwapOptError, SwapOptimizerConfig, is_swap_optimizer, swap_stats
 from swapopt_core._automatic import swap_automatically
+from swapopt_core._variables import warn_unknown_variables
 from swapopt_core.mindformers_yaml import (
     GRAPH_HINT,
     SwapOptimizerSection,
@@ -96,6 +103,7 @@ class SwapOptimizerCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
         """Swap the optimizer that ``CallbackHandler`` passes as ``optimizer=``."""
+        warn_unknown_variables(os.environ)  # a misspelt SWAPOPT_STRICT is not ignored silently
         optimizer = kwargs.get("optimizer")
         if optimizer is None:
             raise SwapOptError(

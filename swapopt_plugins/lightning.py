@@ -7,6 +7,12 @@ onto it. ``SwapOptimizerCallback`` derives from ``pytorch_lightning.Callback`` a
 check which, so either serves either ``Trainer``: pick the one matching your imports so that
 ``isinstance`` checks and type checkers agree. With only the unified ``lightning`` package
 installed, ``SwapOptimizerCallback`` names ``LightningSwapOptimizerCallback``.
+
+The callback logs the ``swapopt/...`` figures through the module's logger whenever Lightning
+writes its step metrics (every ``log_every_n_steps``, rank zero), keeps ``swap_stats`` and
+``offload_stats`` readable after ``fit``, and ends the fit with one summary line through
+Lightning's own ``rank_zero_info`` (shown like Lightning's other INFO lines); see
+``docs/figures.md``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ if _pl is None and _lp is None:  # pragma: no cover
         "swapopt_plugins.lightning needs pytorch_lightning>=2.4 or lightning>=2.4: "
         "pip install 'swapopt[lightning]'."
     )
+# Both packages' rank_zero_info write to one logger that Lightning shows at INFO by default.
+_rank_zero_info = (_lp or _pl).utilities.rank_zero.rank_zero_info
 
 __all__ = [
     "LightningSwapOptimizerCallback",
@@ -119,6 +127,12 @@ class _SwapHooks(SwapCallbackCore):
         # Whether this batch ends an accumulation window (so its optimizer step has run).
         done = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
         self.batch_end(window_done=done or batch_idx + 1 >= trainer.num_training_batches)
+        # NOTE: Lightning's own log_every_n_steps test, as it writes the step metrics after
+        # this hook; where it is missing, every batch (Lightning still writes on its steps).
+        due = getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True)
+        logs = self.active and self.rank_zero and trainer.logger is not None and due
+        if logs and (figures := self.figures()):
+            pl_module.log_dict(figures, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self.close_window()
@@ -131,6 +145,8 @@ class _SwapHooks(SwapCallbackCore):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.remove()
+        if stage == "fit" and self.active and self.rank_zero and (line := self.summary()):
+            _rank_zero_info(line)
 
 
 if _lp is not None:

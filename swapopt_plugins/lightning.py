@@ -8,11 +8,9 @@ check which, so either serves either ``Trainer``: pick the one matching your imp
 ``isinstance`` checks and type checkers agree. With only the unified ``lightning`` package
 installed, ``SwapOptimizerCallback`` names ``LightningSwapOptimizerCallback``.
 
-The callback logs the ``swapopt/...`` figures through the module's logger whenever Lightning
-writes its step metrics (every ``log_every_n_steps``, rank zero), keeps ``swap_stats`` and
-``offload_stats`` readable after ``fit``, and ends the fit with one summary line through
-Lightning's own ``rank_zero_info`` (shown like Lightning's other INFO lines); see
-``docs/figures.md``.
+The callback logs the ``swapopt/...`` figures (``docs/figures.md``) through the module's logger
+every ``log_every_n_steps`` on rank zero, keeps ``swap_stats`` and ``offload_stats`` after
+``fit``, and ends the fit with one summary line through Lightning's ``rank_zero_info``.
 """
 
 from __future__ import annotations
@@ -126,13 +124,19 @@ class _SwapHooks(SwapCallbackCore):
     ) -> None:
         # Whether this batch ends an accumulation window (so its optimizer step has run).
         done = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
-        self.batch_end(window_done=done or batch_idx + 1 >= trainer.num_training_batches)
-        # NOTE: Lightning's own log_every_n_steps test, as it writes the step metrics after
-        # this hook; where it is missing, every batch (Lightning still writes on its steps).
-        due = getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True)
-        logs = self.active and self.rank_zero and trainer.logger is not None and due
-        if logs and (figures := self.figures()):
-            pl_module.log_dict(figures, on_step=True, on_epoch=False, rank_zero_only=True)
+        done = done or batch_idx + 1 >= trainer.num_training_batches
+        self.batch_end(window_done=done)
+        if (done or not pl_module.automatic_optimization) and self.active and self.rank_zero:
+            self._log_figures(trainer)
+
+    def _log_figures(self, trainer: Any) -> None:
+        # As LearningRateMonitor: Lightning's log_every_n_steps test and step, straight to the
+        # loggers (pl_module.log would add tensor ops that land in the next window's session).
+        if not trainer.loggers or not trainer._logger_connector.should_update_logs:
+            return
+        if figures := self.figures():
+            for each in trainer.loggers:
+                each.log_metrics(figures, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self.close_window()

@@ -8,7 +8,7 @@ check which, so either serves either ``Trainer``: pick the one matching your imp
 ``isinstance`` checks and type checkers agree. With only the unified ``lightning`` package
 installed, ``SwapOptimizerCallback`` names ``LightningSwapOptimizerCallback``.
 
-The callback logs the ``swapopt/...`` figures (``docs/figures.md``) through the module's logger
+The callback logs the ``swapopt/...`` figures (``docs/figures.md``) to the Trainer's loggers
 every ``log_every_n_steps`` on rank zero, keeps ``swap_stats`` and ``offload_stats`` after
 ``fit``, and ends the fit with one summary line through Lightning's ``rank_zero_info``.
 """

@@ -174,7 +174,7 @@ def test_logs_carry_swap_and_activation_figures(
     # After train(), an evaluation's logs carry no stale figures.
     logs.seen.clear()
     run.log({"eval_loss": 1.0})
-    assert logs.seen == [{"eval_loss": 1.0}]
+    assert not any(key.startswith("swapopt/") for key in logs.seen[0])
 
 
 def test_install_message_counts_the_swap_the_accelerate_patch_made(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import functools
 import importlib
+import json
 import logging
 import os
 import pickle
@@ -450,8 +451,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_ddp_two_processes(tmp_path) -> None:
+def _ranks(tmp_path: Path, *args: str) -> None:
+    """Run ``_lightning_models.py tmp_path *args`` as the two ranks of a torchrun-style launch."""
     port, procs = _free_port(), []
     for rank in range(2):
         env = dict(
@@ -467,7 +468,7 @@ def test_ddp_two_processes(tmp_path) -> None:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(Path(M.__file__)), str(tmp_path)],
+                [sys.executable, str(Path(M.__file__)), str(tmp_path), *args],
                 env=env,
                 cwd=tmp_path,
                 stdout=subprocess.PIPE,
@@ -477,8 +478,28 @@ def test_ddp_two_processes(tmp_path) -> None:
         )
     logs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
+
+
+@pytest.mark.slow
+def test_ddp_two_processes(tmp_path) -> None:
+    _ranks(tmp_path)
     plain, swap = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "swap.pt")
     assert all(torch.equal(plain[k], swap[k]) for k in plain)
+
+
+@pytest.mark.slow
+def test_ddp_figures_from_rank_zero_only(tmp_path) -> None:
+    """Two DDP ranks: the figures reach metrics.csv and the summary line is logged on rank
+    zero only; each rank's callback keeps its own stats."""
+    _ranks(tmp_path, "figures")
+    ranks = [json.loads((tmp_path / f"figures-{r}.json").read_text()) for r in range(2)]
+    assert [len(r["summary"]) for r in ranks] == [1, 0]
+    assert all(r["steps"] == 6 and r["host_state_bytes"] > 0 for r in ranks)
+    (metrics,) = (tmp_path / "logs").rglob("metrics.csv")
+    with open(metrics, newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("swapopt/state_host_mib")]
+    host = ranks[0]["host_state_bytes"] / 2**20
+    assert len(rows) == 3 and all(float(row["swapopt/state_host_mib"]) == host for row in rows)
 
 
 @pytest.mark.slow

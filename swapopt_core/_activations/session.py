@@ -104,8 +104,7 @@ class OffloadStats(Counts):
     activation_budget_bytes: int | None = None
 
     def format(self) -> str:
-        """One line for people: the activations' peak against the budget, what was offloaded
-        and recomputed per step, warmups and replays (``str()`` gives the same)."""
+        """One line for people (``str()`` too): peak against budget, traffic per step, steps."""
         return format_offload_stats(self)
 
     __str__ = format

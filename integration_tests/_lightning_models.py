@@ -191,5 +191,36 @@ def _ddp_rank(out_dir: Path) -> None:
             torch.save(model.state_dict(), out_dir / f"{name}.pt")
 
 
+def _ddp_figures(out_dir: Path) -> None:
+    """One rank of a DDP fit with a ``CSVLogger``: what the callback logged and kept, as
+    ``figures-RANK.json`` (the summary lines Lightning's rank_zero_info logger saw)."""
+    import json
+    import logging
+
+    from lightning_utilities.core import rank_zero
+
+    torch.set_num_threads(1)
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    rank_zero.log.addHandler(handler)
+    callback = SwapOptimizerCallback(LOOPBACK)
+    logger = pl.loggers.CSVLogger(out_dir / "logs")
+    trainer(out_dir, [callback], strategy="ddp", devices=2, logger=logger, log_every_n_steps=2).fit(
+        Net(), loader()
+    )
+    rank = torch.distributed.get_rank()
+    (stats,) = callback.swap_stats
+    record = {
+        "summary": [line for line in lines if line.startswith("swapopt:")],
+        "steps": stats.steps,
+        "host_state_bytes": stats.host_state_bytes,
+    }
+    (out_dir / f"figures-{rank}.json").write_text(json.dumps(record))
+
+
 if __name__ == "__main__":
-    _ddp_rank(Path(sys.argv[1]))
+    if sys.argv[2:] == ["figures"]:
+        _ddp_figures(Path(sys.argv[1]))
+    else:
+        _ddp_rank(Path(sys.argv[1]))

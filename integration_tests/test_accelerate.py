@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DistributedType, patch_environment  # noqa: E402
 
 from swapopt_core import OffloadConfig, is_swap_optimizer, swap_stats  # noqa: E402
+from swapopt_core._figures import OFFLOAD_KEYS, SWAP_KEYS  # noqa: E402
 from swapopt_core.options import ENV_VARS  # noqa: E402
 from swapopt_plugins import accelerate as swap_accelerate  # noqa: E402
 from swapopt_plugins.accelerate import SwapAccelerator, SwapOptimizerPlugin  # noqa: E402
@@ -370,6 +372,74 @@ def test_activation_session_equals_plain() -> None:
     _reset()
     with pytest.raises(ValueError, match="No activation or device budget is set"):
         SwapAccelerator(cpu=True, swap_plugin=_plugin()).offload_session()
+
+
+def _scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """Every scalar in the TensorBoard event files under ``folder``: tag -> step -> value."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    seen: dict[str, dict[int, float]] = {}
+    for path in folder.rglob("events.out.tfevents.*"):
+        data, at = path.read_bytes(), 0
+        while at < len(data):  # TFRecord: length (8), its CRC (4), the record, its CRC (4)
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 16 + length
+            for value in event.summary.value:
+                seen.setdefault(value.tag, {})[event.step] = value.simple_value
+    return seen
+
+
+def test_tracker_gets_the_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a tracker (TensorBoard, written to a folder), the ``swapopt/...`` figures reach it
+    every N optimizer steps on the main process; ``log_figures`` logs them at once."""
+    pytest.importorskip("tensorboardX")
+    from swapopt_core import swaps
+
+    plain, _ = _train(Accelerator(cpu=True))
+    _reset()
+    monkeypatch.setattr(swaps, "REPORT_EVERY_N_STEPS", 4)  # BATCHES=12 steps: 3 reports
+    accelerator = SwapAccelerator(
+        cpu=True, swap_plugin=_plugin(), log_with="tensorboard", project_dir=tmp_path
+    )
+    accelerator.init_trackers("run")
+    model, optimizer = _train(accelerator)
+    _assert_equal(_params(model), _params(plain))
+    (stats,) = swap_accelerate.stats(accelerator)
+    assert stats.steps == BATCHES
+    now = swap_accelerate.log_figures(accelerator, step=100)
+    assert set(now) == set(SWAP_KEYS) and now == swap_accelerate.figures(accelerator)
+    accelerator.end_training()
+    scalars = _scalars(tmp_path)
+    assert set(scalars) >= set(SWAP_KEYS)
+    host = scalars["swapopt/state_host_mib"]
+    assert sorted(host) == [4, 8, 12, 100]
+    assert host[12] == pytest.approx(stats.host_state_bytes / 2**20, rel=1e-6)  # float32
+    assert scalars["swapopt/optimizer_steps"][8] == 8
+    # Without trackers, log_figures logs nothing (the figures are still there to read).
+    _reset()
+    untracked = SwapAccelerator(cpu=True, swap_plugin=_plugin())
+    _train(untracked)
+    assert swap_accelerate.log_figures(untracked) == {}
+    assert swap_accelerate.figures(untracked)["swapopt/optimizer_steps"] == BATCHES
+
+
+def test_tracker_gets_activation_figures(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboardX")
+    plugin = _plugin(activation_budget_mb=0.001, activation_runtime="loopback")
+    accelerator = SwapAccelerator(
+        cpu=True, swap_plugin=plugin, log_with="tensorboard", project_dir=tmp_path
+    )
+    accelerator.init_trackers("run")
+    _train(accelerator, session=True, stop=3)
+    logged = accelerator.log_figures()
+    accelerator.end_training()
+    assert set(logged) == {*SWAP_KEYS, *OFFLOAD_KEYS}
+    offload = swap_accelerate.offload_session(accelerator).stats()
+    assert logged["swapopt/activation_steps"] == 3 == offload.warmups + offload.replays
+    assert _scalars(tmp_path)["swapopt/activation_peak_mib"][3] == pytest.approx(
+        offload.peak_resident_activation_bytes / 2**20, rel=1e-6
+    )
 
 
 def test_deepspeed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,10 @@ same run without it.
 
 from __future__ import annotations
 
+import csv
 import functools
 import importlib
+import json
 import logging
 import os
 import pickle
@@ -34,6 +36,7 @@ from swapopt_core import (  # noqa: E402
     is_swap_optimizer,
     swap_stats,
 )
+from swapopt_core._figures import OFFLOAD_KEYS, SWAP_KEYS, summary_line  # noqa: E402
 from swapopt_plugins.lightning import SwapOptimizerCallback  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,6 +174,54 @@ def test_activation_offload_equals_plain(tmp_path, package, accumulate) -> None:
     stats = session.stats()
     assert (stats.warmups, stats.replays, stats.retraces) == (1, 4, 0)
     assert stats.d2h_bytes > 0
+
+
+class _Lines(logging.Handler):
+    """Keeps each message a logger emits."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_figures_reach_the_csv_logger_and_the_summary_line(tmp_path, package) -> None:
+    """``swapopt/...`` columns in metrics.csv every log_every_n_steps, the stats readable
+    after fit, one summary line through Lightning's rank_zero_info; bits as plain."""
+    from lightning_utilities.core import rank_zero
+
+    options = {"accumulate_grad_batches": 2, "max_steps": 4, "package": package}
+    make = package.model(NoLog)
+    plain = M.fit(tmp_path / "plain", make=make, **options)
+    cb, lines = package.callback(M.LOOPBACK, activation_offload=ACTIVATIONS), _Lines()
+    csv_logger = package.module.loggers.CSVLogger(tmp_path / "swap")
+    rank_zero.log.addHandler(lines)  # the logger Lightning's own INFO lines go to
+    try:
+        swapped = M.fit(
+            tmp_path / "swap", [cb], make=make, logger=csv_logger, log_every_n_steps=2, **options
+        )
+    finally:
+        rank_zero.log.removeHandler(lines)
+    assert_same(plain, swapped)
+    assert not is_swap_optimizer(swapped.trainer.optimizers[0])
+    with open(Path(csv_logger.log_dir) / "metrics.csv", newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("swapopt/state_host_mib")]
+    assert [int(row["step"]) for row in rows] == [1, 3]  # Lightning's log_every_n_steps=2
+    assert set(rows[0]) >= {*SWAP_KEYS, *OFFLOAD_KEYS}
+    (stats,) = cb.swap_stats
+    assert stats.steps == 4 and stats.host_state_bytes > 0
+    assert float(rows[-1]["swapopt/state_host_mib"]) == stats.host_state_bytes / 2**20
+    assert float(rows[-1]["swapopt/optimizer_steps"]) == 4
+    (offload,) = cb.offload_stats
+    # Logging ran after each window closed: no logging op entered the session.
+    assert (offload.warmups, offload.replays, offload.retraces) == (1, 3, 0)
+    peak = float(rows[-1]["swapopt/activation_peak_mib"])
+    assert peak == offload.peak_resident_activation_bytes / 2**20 > 0
+    summary = [line for line in lines.lines if line.startswith("swapopt:")]
+    assert summary == [summary_line(cb.swap_stats, cb.offload_stats)]
+    assert "optimizer state kept off the device" in summary[0] and "activations: peak" in summary[0]
 
 
 class Boom:
@@ -400,8 +451,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_ddp_two_processes(tmp_path) -> None:
+def _ranks(tmp_path: Path, *args: str) -> None:
+    """Run ``_lightning_models.py tmp_path *args`` as the two ranks of a torchrun-style launch."""
     port, procs = _free_port(), []
     for rank in range(2):
         env = dict(
@@ -417,7 +468,7 @@ def test_ddp_two_processes(tmp_path) -> None:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(Path(M.__file__)), str(tmp_path)],
+                [sys.executable, str(Path(M.__file__)), str(tmp_path), *args],
                 env=env,
                 cwd=tmp_path,
                 stdout=subprocess.PIPE,
@@ -427,8 +478,28 @@ def test_ddp_two_processes(tmp_path) -> None:
         )
     logs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
+
+
+@pytest.mark.slow
+def test_ddp_two_processes(tmp_path) -> None:
+    _ranks(tmp_path)
     plain, swap = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "swap.pt")
     assert all(torch.equal(plain[k], swap[k]) for k in plain)
+
+
+@pytest.mark.slow
+def test_ddp_figures_from_rank_zero_only(tmp_path) -> None:
+    """Two DDP ranks: the figures reach metrics.csv and the summary line is logged on rank
+    zero only; each rank's callback keeps its own stats."""
+    _ranks(tmp_path, "figures")
+    ranks = [json.loads((tmp_path / f"figures-{r}.json").read_text()) for r in range(2)]
+    assert [len(r["summary"]) for r in ranks] == [1, 0]
+    assert all(r["steps"] == 6 and r["host_state_bytes"] > 0 for r in ranks)
+    (metrics,) = (tmp_path / "logs").rglob("metrics.csv")
+    with open(metrics, newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("swapopt/state_host_mib")]
+    host = ranks[0]["host_state_bytes"] / 2**20
+    assert len(rows) == 3 and all(float(row["swapopt/state_host_mib"]) == host for row in rows)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ device and host, so the whole swap runs. Parameters and optimizer state are comp
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -31,6 +32,7 @@ from swapopt_core import (  # noqa: E402
     is_swap_optimizer,
     swap_stats,
 )
+from swapopt_core._figures import OFFLOAD_KEYS, SWAP_KEYS  # noqa: E402
 from swapopt_core.options import ENV_VARS  # noqa: E402
 from swapopt_plugins.transformers import SwapOptimizerCallback  # noqa: E402
 
@@ -97,7 +99,9 @@ def test_callback_equals_plain_trainer_and_resumes(tmp_path: Path, plain: dict) 
     assert stats.steps == 6 and stats.swapped_tensors == 2 * len(plain["params"])
     assert stats.host_state_bytes == stats.total_state_bytes > 0
     assert stats.resident_state_bytes == 0
-    assert any(log.get("swapopt_host_state_bytes") == stats.host_state_bytes for log in logs.seen)
+    assert any(
+        log.get("swapopt/state_host_mib") == stats.host_state_bytes / 2**20 for log in logs.seen
+    )
     # Between optimizer steps no swapped state is on the device.
     assert len(between.seen) == 6
     assert all(s.resident_state_bytes == 0 and s.host_state_bytes > 0 for s in between.seen)
@@ -142,6 +146,63 @@ def test_activation_offload_equals_plain_trainer(tmp_path: Path, plain: dict) ->
     stats = cb.offload_session.stats()
     assert (stats.warmups, stats.replays, stats.retraces) == (1, 5, 0)
     assert stats.d2h_bytes > 0
+
+
+def test_logs_carry_swap_and_activation_figures(
+    tmp_path: Path, plain: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``on_log`` adds the ``swapopt/...`` figures of the swap and the activation session;
+    ``on_train_end`` logs the summary line."""
+    cb, logs = SwapOptimizerCallback(LOOPBACK, activation_offload=ACTIVATIONS), Logs()
+    run = tiny.trainer(tmp_path, [cb])
+    run.add_callback(logs)
+    with caplog.at_level(logging.INFO, logger="swapopt_core.callbacks"):
+        run.train()
+    _assert_same(plain, _result(run))
+    logged = [log for log in logs.seen if "swapopt/activation_peak_mib" in log]
+    assert len(logged) >= 2  # logging_steps=3 of 6, and the final train log
+    assert set(logged[-1]) >= {*SWAP_KEYS, *OFFLOAD_KEYS}
+    (stats,), (offload,) = cb.stats, cb.offload_stats
+    assert cb.stats is cb.swap_stats
+    assert logged[-1]["swapopt/state_host_mib"] == stats.host_state_bytes / 2**20
+    assert (
+        logged[-1]["swapopt/activation_peak_mib"] == offload.peak_resident_activation_bytes / 2**20
+    )
+    assert logged[-1]["swapopt/activation_budget_mib"] == offload.activation_budget_bytes / 2**20
+    assert logged[-1]["swapopt/activation_offloaded_mib_per_step"] > 0
+    assert f"swapopt: {stats}; {offload}" in caplog.messages
+    # After train(), an evaluation's logs carry no stale figures.
+    logs.seen.clear()
+    run.log({"eval_loss": 1.0})
+    assert not any(key.startswith("swapopt/") for key in logs.seen[0])
+
+
+def test_install_message_counts_the_swap_the_accelerate_patch_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under ``swapopt run`` the Accelerate patch swaps at prepare(); the callback keeps that
+    swap and says so, rather than "optimizer swap on 0 of 1 optimizers"."""
+    import transformers.trainer as hf_trainer
+
+    from swapopt_plugins import accelerate as swap_accelerate
+    from swapopt_plugins import transformers as swap_transformers
+
+    monkeypatch.setattr(hf_trainer, "DEFAULT_CALLBACKS", list(hf_trainer.DEFAULT_CALLBACKS))
+    for name, value in [("OFFLOAD_OPTIMIZER_DEVICE", "cpu"), ("RUNTIME", "loopback")]:
+        monkeypatch.setenv(f"SWAPOPT_{name}", value)
+    monkeypatch.setenv("SWAPOPT_MIN_NUMEL", "0")
+    assert swap_accelerate.install_globally() and swap_transformers.install_globally()
+    try:
+        run = tiny.trainer(tmp_path, max_steps=2)
+        with caplog.at_level(logging.INFO, logger="swapopt_core.callbacks"):
+            run.train()
+    finally:
+        swap_accelerate.uninstall_globally()
+    said = [m for m in caplog.messages if "optimizer swap on" in m]
+    assert len(said) == 1
+    assert said[0].startswith(
+        "swapopt: optimizer swap on 1 of 1 optimizers (0 swapped here, 1 swapped before and kept)"
+    )
 
 
 def test_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

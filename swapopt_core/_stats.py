@@ -54,6 +54,16 @@ class SwapStats:
     resident_state_fraction: float = 0.0
     prefetch_batches: int = 0
 
+    def format(self) -> str:
+        """One line for people: what was kept off the device (MiB and share), host bytes,
+        bytes moved per step each way, steps, runtime (``str()`` gives the same)."""
+        # Here, not at the top: the figures module types its arguments with this one.
+        from swapopt_core._figures import format_swap_stats
+
+        return format_swap_stats(self)
+
+    __str__ = format
+
 
 def engine_stats(engine: EngineBase) -> SwapStats:
     """A snapshot of ``engine``'s memory and traffic."""

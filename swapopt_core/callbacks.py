@@ -36,13 +36,17 @@ import torch
 from swapopt_core import (
     OffloadConfig,
     OffloadSession,
+    OffloadStats,
     SwapOptimizerConfig,
+    SwapStats,
     is_swap_optimizer,
     offload_optimizer_state,
+    swap_stats,
     unswap_optimizer,
 )
 from swapopt_core._automatic import refused, swap_automatically
 from swapopt_core._budget import budget_session, check_one_optimizer, with_device_budget
+from swapopt_core._figures import offload_figures, summary_line, swap_figures
 from swapopt_core._launch import note_nothing_to_swap, warn_without_run
 from swapopt_core._refusals import deepspeed_offloads, engine_refusal
 from swapopt_core.options import auto_enabled, read_settings
@@ -88,6 +92,9 @@ class SwapCallbackCore:
         offload_sessions: The sessions of the current fit, keyed by the kind of window.
         optimizer_steps: Optimizer steps seen (restored by ``load_state_dict``).
         reoffloaded_tensors: State tensors ``reoffload`` took back to host memory.
+        swap_stats: ``SwapStats`` of each swapped optimizer of the current (or last) fit,
+            taken by ``figures()`` and, at the end of the fit, before the swap is removed.
+        offload_stats: ``OffloadStats`` of each of ``offload_sessions``.
 
     Raises:
         TypeError: ``config`` or ``activation_offload`` has the wrong type.
@@ -115,6 +122,7 @@ class SwapCallbackCore:
         self.optimizer_steps = 0
         self.reoffloaded_tensors = 0
         self.offload_sessions: dict[int, OffloadSession] = {}
+        self.swap_stats: list[SwapStats] = []
         self._reset_run()
 
     @classmethod
@@ -204,7 +212,7 @@ class SwapCallbackCore:
         self.remove()
         self._automatic, self.rank_zero = automatic, rank_zero
         self._optimizers = list(optimizers)
-        self.offload_sessions = {}
+        self.offload_sessions, self.swap_stats = {}, []
         if self.active:
             check_one_optimizer(self.owner, self.device_budget_mb, len(self._optimizers))
         for opt in self._optimizers:
@@ -220,10 +228,14 @@ class SwapCallbackCore:
                 self._handles.append(opt.register_step_post_hook(self._after_step))
         # NOTE: the budget plans the step of a swapped optimizer: without one it runs as plain.
         self._unplanned = self.device_budget_mb is not None and any(map(refused, self._optimizers))
+        swapped = len(self.swapped)
         self.say(
-            "swapopt: optimizer swap on %d of %d optimizers (%s)%s",
-            len(self._installed),
+            "swapopt: optimizer swap on %d of %d optimizers (%d swapped here, %d swapped "
+            "before and kept) (%s)%s",
+            swapped,
             len(self._optimizers),
+            len(self._installed),
+            swapped - len(self._installed),
             self.config,
             f"; activation offload {self.activation_offload}" if self.activation_offload else "",
         )
@@ -323,13 +335,35 @@ class SwapCallbackCore:
         if not self._automatic or window_done:
             self.close_window()
 
+    # ---- figures ---------------------------------------------------------------------------
+
+    @property
+    def offload_stats(self) -> list[OffloadStats]:
+        """``OffloadStats`` of each activation session of the current (or last) fit."""
+        return [session.stats() for session in self.offload_sessions.values()]
+
+    def figures(self) -> dict[str, float]:
+        """Take ``swap_stats`` now and return the ``swapopt/...`` figures a logger gets
+        (``swap_figures`` and ``offload_figures``; ``docs/figures.md``)."""
+        if swapped := self.swapped:
+            self.swap_stats = [swap_stats(opt) for opt in swapped]
+        return {**swap_figures(self.swap_stats), **offload_figures(self.offload_stats)}
+
+    def summary(self) -> str | None:
+        """The one line for the end of a fit (``swap_stats`` and ``offload_stats``), or None
+        when this fit swapped nothing and opened no session."""
+        return summary_line(self.swap_stats, self.offload_stats)
+
     # ---- removal and state -----------------------------------------------------------------
 
     def remove(self, exc: BaseException | None = None) -> None:
-        """Close any session, remove the hooks and unswap what this callback installed."""
+        """Close any session, take ``swap_stats``, remove the hooks and unswap what this
+        callback installed."""
         try:
             self.close_window(exc)
         finally:
+            if self.swapped:
+                self.figures()  # the last stats stay readable after the swap is gone
             errors: list[BaseException] = []
             for handle in self._handles:
                 handle.remove()

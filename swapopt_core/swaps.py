@@ -4,8 +4,10 @@ An integration that swaps optimizers on a framework object it does not own (an
 ``Accelerator``'s ``prepare``) keeps a ``SwapState`` on that object: the settings it read
 once, the prepared optimizers and the activation session. ``release`` takes back one swap
 such a state made (``note_swapped_by``), wherever the optimizer is used next, e.g. when a
-``transformers.Trainer`` callback takes over an optimizer an accelerator swapped. Nothing
-here imports a training framework.
+``transformers.Trainer`` callback takes over an optimizer an accelerator swapped. The state
+also counts the optimizer steps and hands the ``swapopt/...`` figures to the framework's
+logger every ``REPORT_EVERY_N_STEPS`` of them (``SwapState.report``). Nothing here imports a
+training framework.
 """
 
 from __future__ import annotations
@@ -19,17 +21,24 @@ import torch
 
 from swapopt_core import (
     OffloadSession,
+    SwapStats,
     is_swap_optimizer,
     offload_optimizer_state,
+    swap_stats,
     unswap_optimizer,
 )
 from swapopt_core._automatic import swap_automatically
 from swapopt_core._budget import budget_session
+from swapopt_core._figures import offload_figures, swap_figures
 from swapopt_core.options import SwapSettings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SwapState", "note_swapped_by", "release"]
+__all__ = ["REPORT_EVERY_N_STEPS", "SwapState", "note_swapped_by", "release"]
+
+#: Optimizer steps between two reports of the figures (Lightning's ``log_every_n_steps``
+#: default): often enough for a curve, rare enough to cost nothing.
+REPORT_EVERY_N_STEPS = 50
 
 
 class _Owner(Protocol):
@@ -84,6 +93,10 @@ class SwapState:
         plugin: The settings.
         optimizers: The framework's prepared optimizers this state swapped or kept.
         session: The activation ``OffloadSession``, once ``offload_session`` made it.
+        steps: Steps of the first prepared optimizer since it was prepared.
+        report: Called with this state every ``report_every`` steps (the framework's
+            logger); None: no reports.
+        report_every: Steps between two reports. Default: ``REPORT_EVERY_N_STEPS``.
     """
 
     ATTR = "_swapopt"
@@ -95,6 +108,10 @@ class SwapState:
         self.unwrap = unwrap
         self.optimizers: list[Any] = []
         self.session: OffloadSession | None = None
+        self.steps = 0
+        self.report: Callable[[SwapState], object] | None = None
+        self.report_every = REPORT_EVERY_N_STEPS
+        self._counted: tuple[object, Any] | None = None  # (optimizer, its step post-hook)
 
     @classmethod
     def of(
@@ -121,7 +138,12 @@ class SwapState:
         return state
 
     def install(self, prepared: Iterable[Any]) -> None:
-        """Swap the torch optimizer inside each of ``prepared`` (once each), when enabled."""
+        """Swap the torch optimizer inside each of ``prepared`` (once each), when enabled;
+        count the steps of the first one (for ``report``), enabled or not."""
+        prepared = list(prepared)
+        if self._counted is None and prepared:
+            inner = self.unwrap(prepared[0])
+            self._counted = (inner, inner.register_step_post_hook(self._stepped))
         if not self.plugin.enabled:
             return
         config = self.plugin.swap_config()
@@ -138,10 +160,33 @@ class SwapState:
     def forget(self, optimizer: object) -> None:
         """Drop ``optimizer`` (unswapped by ``release``): the next ``install`` swaps it again."""
         self.optimizers = [opt for opt in self.optimizers if self.unwrap(opt) is not optimizer]
+        if self._counted is not None and self._counted[0] is optimizer:
+            self._uncount()
+
+    def _uncount(self) -> None:
+        if self._counted is not None:
+            self._counted[1].remove()
+            self._counted = None
+
+    def _stepped(self, optimizer: object, args: object, kwargs: object) -> None:
+        self.steps += 1
+        if self.report is not None and self.steps % self.report_every == 0:
+            self.report(self)
+
+    def stats(self) -> list[SwapStats]:
+        """``swap_stats`` of each optimizer kept here that is swapped now."""
+        inner = [self.unwrap(opt) for opt in self.optimizers]
+        return [swap_stats(opt) for opt in inner if is_swap_optimizer(opt)]
+
+    def figures(self) -> dict[str, float]:
+        """The ``swapopt/...`` figures of the swapped optimizers and the session, now."""
+        offload = [] if self.session is None else [self.session.stats()]
+        return {**swap_figures(self.stats()), **offload_figures(offload)}
 
     def unswap(self) -> None:
         """Unswap every optimizer kept here (also those swapped before) and drop the session."""
         optimizers, self.optimizers, self.session = self.optimizers, [], None
+        self._uncount()
         for opt in optimizers:
             inner = self.unwrap(opt)
             if not release(inner) and is_swap_optimizer(inner):  # kept ones, swapped before

@@ -7,33 +7,41 @@ methods; the module functions take any ``Accelerator``. All keep one
 ``swapopt_core.swaps.SwapState`` as ``accelerator._swapopt`` (settings, swapped optimizers,
 session). The swap is installed in place on each ``AcceleratedOptimizer``'s inner optimizer,
 so schedulers, the gradient scaler and accumulation keep working; loading needs no patch
-(``load_state_dict`` hooks put loaded state in host memory). See ``docs/accelerate.md``."""
+(``load_state_dict`` hooks put loaded state in host memory). With trackers configured
+(``Accelerator(log_with=...)``) the ``swapopt/...`` figures go to ``accelerator.log`` every
+``REPORT_EVERY_N_STEPS`` (50) optimizer steps on the main process; ``log_figures`` logs them
+now. See ``docs/accelerate.md`` and ``docs/figures.md``."""
 
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
-from swapopt_core import OffloadSession
+from swapopt_core import OffloadSession, SwapStats
 from swapopt_core.callbacks import engine_refusal
 from swapopt_core.options import SwapSettings
-from swapopt_core.swaps import SwapState, release
+from swapopt_core.swaps import REPORT_EVERY_N_STEPS, SwapState, release
 from swapopt_plugins._integrations import ClassPatch
 
 __all__ = [
+    "REPORT_EVERY_N_STEPS",
     "SwapAccelerator",
     "SwapOptimizerPlugin",
+    "figures",
     "free_memory",
     "install_globally",
     "installed_plugin",
     "load_state",
+    "log_figures",
     "offload_session",
     "prepare",
     "release",
+    "stats",
     "uninstall_globally",
 ]
 
@@ -78,7 +86,46 @@ def _check_supported(accelerator: Accelerator, plugin: SwapSettings) -> None:
 def _state(accelerator: Accelerator, plugin: SwapOptimizerPlugin | None = None) -> SwapState:
     """The accelerator's swap state, created on first use with ``plugin``, else the settings
     ``install_globally`` read (a copy), else the environment's; the first settings stay."""
-    return SwapState.of(accelerator, plugin, _patch.copy_settings, _INNER)
+    state = SwapState.of(accelerator, plugin, _patch.copy_settings, _INNER)
+    if state.report is None:
+        # NOTE: weak, so that the optimizer's step hook does not keep the accelerator alive.
+        ref = weakref.ref(accelerator)
+        state.report = lambda _: (acc := ref()) is not None and log_figures(acc)
+    return state
+
+
+def stats(accelerator: Accelerator) -> list[SwapStats]:
+    """``swap_stats`` of each optimizer swapped through ``accelerator`` (the activation
+    session's are ``offload_session(accelerator).stats()``)."""
+    state = SwapState.find(accelerator)
+    return [] if state is None else state.stats()
+
+
+def figures(accelerator: Accelerator) -> dict[str, float]:
+    """The ``swapopt/...`` figures of ``accelerator``'s swap and session now (``{}`` when
+    swapopt never used it); ``docs/figures.md`` says what each means."""
+    state = SwapState.find(accelerator)
+    return {} if state is None else state.figures()
+
+
+def log_figures(accelerator: Accelerator, step: int | None = None) -> dict[str, float]:
+    """Log ``figures(accelerator)`` through ``accelerator.log`` now, on the main process when
+    trackers are configured (what runs every ``REPORT_EVERY_N_STEPS`` optimizer steps).
+
+    Args:
+        step: The tracker's step. Default: the optimizer steps counted since ``prepare``.
+
+    Returns:
+        What was logged (``{}`` without trackers, off the main process, or with nothing
+        swapped and no session).
+    """
+    state = SwapState.find(accelerator)
+    if state is None or not accelerator.trackers or not accelerator.is_main_process:
+        return {}
+    logged = state.figures()
+    if logged:
+        accelerator.log(logged, step=state.steps if step is None else step)
+    return logged
 
 
 def prepare(
@@ -171,6 +218,7 @@ class SwapAccelerator(Accelerator):
     free_memory = free_memory
     load_state = load_state
     offload_session = offload_session
+    log_figures = log_figures
 
 
 def install_globally() -> bool:

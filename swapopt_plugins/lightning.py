@@ -7,6 +7,10 @@ onto it. ``SwapOptimizerCallback`` derives from ``pytorch_lightning.Callback`` a
 check which, so either serves either ``Trainer``: pick the one matching your imports so that
 ``isinstance`` checks and type checkers agree. With only the unified ``lightning`` package
 installed, ``SwapOptimizerCallback`` names ``LightningSwapOptimizerCallback``.
+
+The callback logs the ``swapopt/...`` figures (``docs/figures.md``) to the Trainer's loggers
+every ``log_every_n_steps`` on rank zero, keeps ``swap_stats`` and ``offload_stats`` after
+``fit``, and ends the fit with one summary line through Lightning's ``rank_zero_info``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ if _pl is None and _lp is None:  # pragma: no cover
         "swapopt_plugins.lightning needs pytorch_lightning>=2.4 or lightning>=2.4: "
         "pip install 'swapopt[lightning]'."
     )
+# Both packages' rank_zero_info write to one logger that Lightning shows at INFO by default.
+_rank_zero_info = (_lp or _pl).utilities.rank_zero.rank_zero_info
 
 __all__ = [
     "LightningSwapOptimizerCallback",
@@ -118,7 +124,19 @@ class _SwapHooks(SwapCallbackCore):
     ) -> None:
         # Whether this batch ends an accumulation window (so its optimizer step has run).
         done = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
-        self.batch_end(window_done=done or batch_idx + 1 >= trainer.num_training_batches)
+        done = done or batch_idx + 1 >= trainer.num_training_batches
+        self.batch_end(window_done=done)
+        if (done or not pl_module.automatic_optimization) and self.active and self.rank_zero:
+            self._log_figures(trainer)
+
+    def _log_figures(self, trainer: Any) -> None:
+        # As LearningRateMonitor: Lightning's log_every_n_steps test and step, straight to the
+        # loggers (pl_module.log would add tensor ops that land in the next window's session).
+        if not trainer.loggers or not trainer._logger_connector.should_update_logs:
+            return
+        if figures := self.figures():
+            for each in trainer.loggers:
+                each.log_metrics(figures, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self.close_window()
@@ -131,6 +149,8 @@ class _SwapHooks(SwapCallbackCore):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.remove()
+        if stage == "fit" and self.active and self.rank_zero and (line := self.summary()):
+            _rank_zero_info(line)
 
 
 if _lp is not None:

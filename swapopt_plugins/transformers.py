@@ -4,8 +4,9 @@ The callback swaps the Trainer's optimizer in place when training begins. The Tr
 restores a checkpoint's optimizer state (``train(resume_from_checkpoint=...)``) before it
 calls ``on_train_begin``, so the swap installed there takes the restored state straight to
 host memory; an optimizer someone else swapped already (``swapopt run``'s Accelerate patch,
-or the user) is kept and its restored state re-offloaded. ``on_train_end`` records
-``swap_stats`` and removes the swap made for this ``train()``: its own, or the one the
+or the user) is kept and its restored state re-offloaded. ``on_log`` adds the ``swapopt/...``
+figures (``docs/figures.md``) to the Trainer's logs. ``on_train_end`` records ``swap_stats``,
+logs the summary line and removes the swap made for this ``train()``: its own, or the one the
 Accelerate patch made at ``prepare()`` (a swap the user installed stays). The Trainer has no
 hook for an exception in ``train``: there the optimizer stays swapped (it keeps working; the
 next ``train`` re-installs it, or call ``unswap_optimizer(trainer.optimizer.optimizer)``).
@@ -21,7 +22,7 @@ import transformers.trainer as _hf_trainer
 from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from swapopt_core import OffloadConfig, OffloadSession, SwapOptimizerConfig, SwapStats, swap_stats
+from swapopt_core import OffloadConfig, OffloadSession, SwapOptimizerConfig, SwapStats
 from swapopt_core.callbacks import SwapCallbackCore, engine_refusal
 from swapopt_core.options import read_settings
 from swapopt_core.swaps import release
@@ -68,7 +69,9 @@ class SwapOptimizerCallback(SwapCallbackCore, TrainerCallback):
 
     Attributes:
         stats: ``swap_stats`` of each swapped optimizer, taken at the last log or at the end
-            of training (before the swap is removed).
+            of training (before the swap is removed); the same list as ``swap_stats``.
+        offload_stats: ``OffloadStats`` of the activation session, if any.
+        training: Whether ``train()`` is running (``on_log`` adds figures only then).
 
     Raises:
         TypeError: ``config`` or ``activation_offload`` has the wrong type.
@@ -85,22 +88,25 @@ class SwapOptimizerCallback(SwapCallbackCore, TrainerCallback):
         super().__init__(
             config, activation_offload=activation_offload, device_budget_mb=device_budget_mb
         )
-        self.stats: list[SwapStats] = []
+        self.training = False
+
+    @property
+    def stats(self) -> list[SwapStats]:
+        """``swap_stats`` (the name this callback has had since its first release)."""
+        return self.swap_stats
 
     @property
     def offload_session(self) -> OffloadSession | None:
         """The activation session (created at the first step), or None."""
         return next(iter(self.offload_sessions.values()), None)
 
-    def _collect(self) -> list[SwapStats]:
-        self.stats = [swap_stats(opt) for opt in self.swapped]
-        return self.stats
-
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Swap the optimizer (its checkpoint state is loaded by now); one swapped already
         is kept, its restored state taken back to host memory."""
+        self.training = True
+        self.swap_stats = []
         if not self.swap_enabled:  # set from the environment with the swap off: sessions only
             return
         _refuse(args)
@@ -146,25 +152,22 @@ class SwapOptimizerCallback(SwapCallbackCore, TrainerCallback):
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Add the swap's host and peak device bytes to the Trainer's logs."""
-        if logs is None or not self.swapped:
-            return
-        stats = self._collect()
-        logs["swapopt_host_state_bytes"] = sum(s.host_state_bytes for s in stats)
-        logs["swapopt_peak_resident_state_bytes"] = sum(s.peak_resident_state_bytes for s in stats)
+        """Add the ``swapopt/...`` figures of the swap and the activation session to the
+        Trainer's logs (during ``train()``)."""
+        if logs is not None and self.training:
+            logs.update(self.figures())
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Record ``swap_stats``, then remove the swap made for this ``train()``: this
         callback's, or the Accelerate patch's (the next ``train()`` prepares, and swaps, again)."""
-        swapped = self.swapped
-        if swapped:
-            for stats in self._collect():
-                self.say("swapopt: %s", stats)
-        self.remove()
+        swapped, self.training = self.swapped, False
+        self.remove()  # takes swap_stats first
         for opt in swapped:
             release(opt)
+        if line := self.summary():
+            self.say("%s", line)
 
 
 class _EnvSwapOptimizerCallback(SwapOptimizerCallback):

@@ -21,6 +21,7 @@ from swapopt_core._activations.entry import Entry
 from swapopt_core._activations.executor import Counts, Executor
 from swapopt_core._activations.step_budget import StepBudget
 from swapopt_core._device.registry import RuntimeChoice, resolve_runtime
+from swapopt_core._figures import format_offload_stats
 from swapopt_core._planning.interface import ResidencyPlanner, resolve_planner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
 
@@ -101,6 +102,12 @@ class OffloadStats(Counts):
     swap_times: int | None = None
     prefetch_batches: int | None = None
     activation_budget_bytes: int | None = None
+
+    def format(self) -> str:
+        """One line for people (``str()`` too): peak against budget, traffic per step, steps."""
+        return format_offload_stats(self)
+
+    __str__ = format
 
 
 class OffloadSession:

@@ -42,12 +42,13 @@ class SwapEntry:
 
     Attributes:
         name: The optimizer's class name, e.g. ``"AdamW"``.
-        param_groups: Its parameter groups when it was (last) swapped.
+        param_groups: Its parameter groups when it was (last) swapped; ``None`` where the
+            optimizer keeps no count of them (MindSpore).
         stats: Its latest figures.
     """
 
     name: str
-    param_groups: int
+    param_groups: int | None
     stats: SwapStats
     optimizer: Any = None  # a weak reference to the optimizer, when it takes one
 
@@ -71,14 +72,11 @@ _by_engine: weakref.WeakKeyDictionary[EngineBase, SwapEntry] = weakref.WeakKeyDi
 _sessions: list[SessionEntry] = []
 
 
-def _param_groups(optimizer: object) -> int:
-    """Parameter groups of a torch optimizer (``param_groups``) or a MindSpore one."""
+def _param_groups(optimizer: object) -> int | None:
+    """Parameter groups of a torch optimizer; ``None`` for a MindSpore one (it spreads its
+    groups' settings over the parameters and keeps no count of them)."""
     groups = getattr(optimizer, "param_groups", None)
-    if isinstance(groups, list):
-        return len(groups)
-    if getattr(optimizer, "is_group", False):  # MindSpore: one weight decay per group
-        return len(getattr(optimizer, "group_weight_decay", ())) or 1
-    return 1
+    return len(groups) if isinstance(groups, list) else None
 
 
 def _weak(optimizer: object) -> Any:
@@ -96,7 +94,7 @@ def record_swap(engine: EngineBase) -> None:
         (e for e in _swaps if e.optimizer is not None and e.optimizer() is optimizer), None
     )
     if entry is None:
-        entry = SwapEntry(type(optimizer).__name__, 0, stats, _weak(optimizer))
+        entry = SwapEntry(type(optimizer).__name__, None, stats, _weak(optimizer))
         _swaps.append(entry)
     entry.param_groups, entry.stats = _param_groups(optimizer), stats
     _by_engine[engine] = entry

@@ -71,11 +71,13 @@ def _per_step(nbytes: int, steps: int) -> str:
 def _optimizer_line(entry: SwapEntry) -> str:
     stats = entry.stats
     kept_off = stats.total_state_bytes - stats.peak_resident_state_bytes
-    what = (
-        f"{entry.name} ({_plural(entry.param_groups, 'param group')}, "
-        f"{_plural(stats.swapped_tensors, 'state tensor')} swapped, "
-        f"{_plural(stats.steps, 'step')})"
-    )
+    facts = [
+        _plural(stats.swapped_tensors, "state tensor") + " swapped",
+        _plural(stats.steps, "step"),
+    ]
+    if entry.param_groups is not None:
+        facts.insert(0, _plural(entry.param_groups, "param group"))
+    what = f"{entry.name} ({', '.join(facts)})"
     moved = (
         f"per step {_per_step(stats.h2d_bytes, stats.steps)} in, "
         f"{_per_step(stats.d2h_bytes, stats.steps)} out"

@@ -121,6 +121,27 @@ trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=4))
 """
 
 
+MINDSPORE = """
+import dataclasses, json
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn
+from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats, unswap_optimizer
+
+ms.set_context(mode=ms.PYNATIVE_MODE)
+ms.set_device("CPU")
+rng = np.random.default_rng(0)
+params = [Parameter(Tensor(rng.standard_normal((32, 16)).astype(np.float32)), name=f"w{i}")
+          for i in range(3)]
+opt = nn.Adam(params, learning_rate=1e-2)
+swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback", min_numel=0, swap_times=3))
+for _ in range(3):
+    opt(tuple(Tensor(np.ones((32, 16), np.float32)) for _ in range(3)))
+print("STATS " + json.dumps(dataclasses.asdict(swap_stats(opt))), flush=True)
+unswap_optimizer(opt)
+"""
+
+
 def _stats(done: subprocess.CompletedProcess[str]) -> dict[str, int]:
     line = next(s for s in done.stdout.splitlines() if s.startswith("STATS "))
     return json.loads(line.removeprefix("STATS "))
@@ -131,7 +152,7 @@ def _optimizer_line(name: str, groups: str, stats: dict[str, int]) -> str:
     total, peak, steps = stats["total_state_bytes"], stats["peak_resident_state_bytes"], 3
     assert stats["steps"] == steps
     return (
-        f"  optimizer {name} ({groups}, {stats['swapped_tensors']} state tensors swapped, "
+        f"  optimizer {name} ({groups}{stats['swapped_tensors']} state tensors swapped, "
         f"3 steps): {format_bytes(total - peak)} of {format_bytes(total)} state kept off the "
         f"device (peak resident {format_bytes(peak)}), "
         f"{format_bytes(stats['host_state_bytes'])} in host memory, per step "
@@ -159,7 +180,7 @@ def test_summary_of_an_optimizer_swapped_by_hand(tmp_path: Path) -> None:
     kept_off = stats["total_state_bytes"] - stats["peak_resident_state_bytes"]
     assert _summary(done.stderr) == [
         SUMMARY,
-        _optimizer_line("Adam", "2 param groups", stats),
+        _optimizer_line("Adam", "2 param groups, ", stats),
         f"  total: {format_bytes(kept_off)} of optimizer state kept off the device, "
         f"{format_bytes(stats['host_state_bytes'])} in host memory, per optimizer step "
         f"{format_bytes(stats['h2d_bytes'] / 3)} in, {format_bytes(stats['d2h_bytes'] / 3)} out",
@@ -216,7 +237,7 @@ def test_summary_of_an_accelerate_script(tmp_path: Path) -> None:
         "optimizer state to host memory (swap_times=2)"
     ) in done.stderr
     summary = _summary(done.stderr)
-    assert summary[1] == _optimizer_line("AdamW", "1 param group", stats)
+    assert summary[1] == _optimizer_line("AdamW", "1 param group, ", stats)
     assert len(summary) == 3 and summary[2].startswith("  total: ")
 
 
@@ -225,5 +246,15 @@ def test_summary_of_a_lightning_fit_outlives_the_teardown_unswap(tmp_path: Path)
     done = _run([str(SWAPOPT), "run", str(_script(tmp_path, LIGHTNING))], tmp_path, **SWAP_ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = _summary(done.stderr)
-    assert summary[1] == _optimizer_line("Adam", "1 param group", _stats(done))
+    assert summary[1] == _optimizer_line("Adam", "1 param group, ", _stats(done))
     assert len(summary) == 3 and NOTHING_SWAPPED not in done.stderr
+
+
+@pytest.mark.mindspore
+def test_summary_of_a_mindspore_optimizer_unswapped_by_the_script(tmp_path: Path) -> None:
+    pytest.importorskip("mindspore")
+    done = _run([str(SWAPOPT), "run", str(_script(tmp_path, MINDSPORE))], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = _summary(done.stderr)
+    assert summary[1] == _optimizer_line("Adam", "", _stats(done))  # MindSpore: no group count
+    assert len(summary) == 3

@@ -21,6 +21,9 @@ __all__ = ["PREFIX", "asked_for", "integrations_line", "summary_lines"]
 
 #: The start of every line ``swapopt run`` prints itself.
 PREFIX = "swapopt run: "
+#: Optimizers (and sessions) given a line each; the total counts them all (a script that
+#: builds a new optimizer per trial may swap hundreds).
+MAX_LINES = 8
 
 
 def _mib(value: float) -> str:
@@ -94,7 +97,7 @@ def _optimizer_line(entry: SwapEntry) -> str:
 
 def _session_line(number: int, stats: OffloadStats) -> str:
     budget = stats.activation_budget_bytes
-    under = "every activation kept" if budget is None else f"budget {format_bytes(budget)}"
+    under = "the plan keeps them all" if budget is None else f"budget {format_bytes(budget)}"
     line = (
         f"  activations (OffloadSession {number}): device peak "
         f"{format_bytes(stats.peak_resident_activation_bytes)} ({under}), host peak "
@@ -111,13 +114,18 @@ def summary_lines(swaps: Sequence[SwapEntry], sessions: Sequence[OffloadStats]) 
 
     Kept off the device is the swappable state minus its peak on the device; bytes moved per
     step are the copies in (host to device) and out since the swap was installed, divided by
-    its steps. Empty when nothing was swapped or offloaded.
+    its steps. The first ``MAX_LINES`` optimizers and sessions get a line; the total counts
+    all. Empty when nothing was swapped or offloaded.
     """
     if not swaps and not sessions:
         return []
     lines = [f"{PREFIX}what swapopt did in this process:"]
-    lines += [_optimizer_line(entry) for entry in swaps]
-    lines += [_session_line(n, stats) for n, stats in enumerate(sessions, 1)]
+    lines += [_optimizer_line(entry) for entry in swaps[:MAX_LINES]]
+    if len(swaps) > MAX_LINES:
+        lines.append(f"  ... and {_plural(len(swaps) - MAX_LINES, 'optimizer')} more")
+    lines += [_session_line(n, stats) for n, stats in enumerate(sessions[:MAX_LINES], 1)]
+    if len(sessions) > MAX_LINES:
+        lines.append(f"  ... and {_plural(len(sessions) - MAX_LINES, 'session')} more")
     kept_off = sum(e.stats.total_state_bytes - e.stats.peak_resident_state_bytes for e in swaps)
     host = sum(e.stats.host_state_bytes for e in swaps)
     host += sum(stats.host_peak_bytes for stats in sessions)

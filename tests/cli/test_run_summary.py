@@ -10,8 +10,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
+from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats, unswap_optimizer
+from swapopt_core._cli.run_summary import MAX_LINES, summary_lines
 from swapopt_core._figures import format_bytes
+from swapopt_core._record import SwapEntry, swap_entries
 from tests.cli.test_run import NOTHING_SWAPPED, PLAIN_ADAM, SWAP_ENV, SWAPOPT, _run, _script
 
 SUMMARY = "swapopt run: what swapopt did in this process:"
@@ -258,3 +262,46 @@ def test_summary_of_a_mindspore_optimizer_unswapped_by_the_script(tmp_path: Path
     summary = _summary(done.stderr)
     assert summary[1] == _optimizer_line("Adam", "", _stats(done))  # MindSpore: no group count
     assert len(summary) == 3
+
+
+# ---- in-process: the record and the lines ------------------------------------------------
+
+
+def _step(opt: torch.optim.Optimizer, times: int) -> None:
+    for _ in range(times):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.ones_like(p)
+        opt.step()
+
+
+def test_the_record_keeps_one_entry_per_optimizer_past_its_unswap() -> None:
+    params = [torch.nn.Parameter(torch.zeros(256)) for _ in range(2)]
+    opt = torch.optim.AdamW(params)
+    config = SwapOptimizerConfig(runtime="loopback", min_numel=0, swap_times=2)
+    swap_optimizer(opt, config)
+    _step(opt, 3)
+    before = swap_stats(opt)
+    unswap_optimizer(opt)
+    (entry,) = [e for e in swap_entries() if e.optimizer is not None and e.optimizer() is opt]
+    assert (entry.name, entry.param_groups, entry.stats) == ("AdamW", 1, before)
+    swap_optimizer(opt, config)  # swapped again: the same entry, the new swap's figures
+    _step(opt, 2)
+    mine = [e for e in swap_entries() if e.optimizer is not None and e.optimizer() is opt]
+    assert mine == [entry] and entry.stats == swap_stats(opt) and entry.stats.steps == 2
+    unswap_optimizer(opt)
+
+
+def test_the_summary_gives_a_line_to_the_first_optimizers_and_counts_all() -> None:
+    params = [torch.nn.Parameter(torch.zeros(256))]
+    opt = torch.optim.Adam(params)
+    swap_optimizer(opt, SwapOptimizerConfig(runtime="loopback", min_numel=0))
+    _step(opt, 1)
+    stats = swap_stats(opt)
+    unswap_optimizer(opt)
+    entries = [SwapEntry("Adam", 1, stats) for _ in range(MAX_LINES + 3)]
+    lines = summary_lines(entries, [])
+    assert len(lines) == 1 + MAX_LINES + 2 and lines[-2] == "  ... and 3 optimizers more"
+    kept_off = (stats.total_state_bytes - stats.peak_resident_state_bytes) * (MAX_LINES + 3)
+    assert lines[-1].startswith(f"  total: {format_bytes(kept_off)} of optimizer state")
+    assert summary_lines([], []) == []

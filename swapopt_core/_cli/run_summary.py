@@ -49,10 +49,10 @@ def asked_for(settings: Settings) -> list[str]:
 def integrations_line(settings: Settings, names: Sequence[str]) -> str:
     """The line printed before the script starts: what is on, and what was asked for."""
     asked = asked_for(settings)
-    if not asked:
+    if not asked:  # SWAPOPT_LIGHTNING_AUTO=1 alone still adds the (idle) Lightning callback
         return (
-            f"{PREFIX}integrations on: none; no SWAPOPT_* setting asks for anything, so the "
-            "script runs plain (but for optimizers it swaps itself)"
+            f"{PREFIX}integrations on: {', '.join(names) or 'none'}; no SWAPOPT_* setting "
+            "asks for anything, so the script runs plain (but for optimizers it swaps itself)"
         )
     if not names:
         return (

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from swapopt_core import SwapOptimizerConfig, swap_optimizer, swap_stats, unswap_optimizer
-from swapopt_core._cli.run_summary import MAX_LINES, summary_lines
+from swapopt_core._cli.run_summary import MAX_LINES, integrations_line, summary_lines
 from swapopt_core._figures import format_bytes
 from swapopt_core._record import SwapEntry, swap_entries
+from swapopt_core.options import read_settings
 from tests.cli.test_run import NOTHING_SWAPPED, PLAIN_ADAM, SWAP_ENV, SWAPOPT, _run, _script
 
 SUMMARY = "swapopt run: what swapopt did in this process:"
@@ -305,3 +306,22 @@ def test_the_summary_gives_a_line_to_the_first_optimizers_and_counts_all() -> No
     kept_off = (stats.total_state_bytes - stats.peak_resident_state_bytes) * (MAX_LINES + 3)
     assert lines[-1].startswith(f"  total: {format_bytes(kept_off)} of optimizer state")
     assert summary_lines([], []) == []
+
+
+def test_the_integrations_line_says_what_was_asked_for() -> None:
+    def line(names: list[str], **environ: str) -> str:
+        return integrations_line(read_settings({}, owner="t", environ=environ), names)
+
+    plain = f"{PLAIN} (but for optimizers it swaps itself)"
+    assert line([]) == f"swapopt run: integrations on: none; {plain}"
+    assert line(["lightning"]).startswith(f"swapopt run: integrations on: lightning; {PLAIN}")
+    both = {"SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE": "CPU", "SWAPOPT_ACTIVATION_BUDGET_MB": "64"}
+    assert line(["accelerate"], **both) == (
+        "swapopt run: integrations on: accelerate; asked for optimizer state to host memory "
+        "(swap_times=16), activation budget 64 MiB"
+    )
+    assert line([], SWAPOPT_DEVICE_BUDGET_MB="512.5") == (
+        "swapopt run: integrations on: none (no Accelerate, Lightning or Transformers "
+        "installed); asked for whole-step device budget 512.5 MiB (optimizer state to host "
+        "memory as the plan needs): only optimizers the script swaps itself are swapped"
+    )

@@ -8,6 +8,11 @@ so this module imports no training framework), then runs the script as ``__main_
 an uncaught exception (``KeyboardInterrupt`` included) printed through ``sys.excepthook`` with
 the script's frames only. An uncaught ``KeyboardInterrupt`` ends the process by ``SIGINT``
 after the normal shutdown, as Python does.
+
+On stderr, so the script's stdout stays its own: a line before the script on what the
+settings ask for, and after it the summary of what was swapped and offloaded
+(``run_summary``, from the process-wide record ``swapopt_core._record``), on the first
+process of each machine only.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from swapopt_core._plugins import (
     optimizer_adapters,
     runtime_classes,
 )
+from swapopt_core._record import record_unswap
 from swapopt_core._stats import SwapStats
 from swapopt_core._swap.engine import EngineBase, engine_of
 
@@ -244,7 +245,7 @@ def swap_optimizer(
     engine = engine_class(optimizer, config, adapter, runtime, manager)
     _check_serves(engine_class, runtime, optimizer)
     engine.install()
-    note_swapped()  # what `swapopt run` checks at exit
+    note_swapped(engine)  # what `swapopt run` checks and sums up at exit
     logger.info(
         "swapopt installed on %s: runtime=%s packed=%s swap_times=%d; %d existing state "
         "tensors offloaded%s",
@@ -286,6 +287,7 @@ def unswap_optimizer(optimizer: OptimizerT) -> OptimizerT:
             stacklevel=2,
         )
         return optimizer
+    record_unswap(engine)  # its figures outlive the swap, for `swapopt run`'s summary
     engine.uninstall()
     engine.plugin_manager.hook.swapopt_on_uninstall(optimizer=optimizer)
     return optimizer

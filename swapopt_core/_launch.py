@@ -1,6 +1,7 @@
 """Process-wide facts ``swapopt run`` relies on: how many optimizers were swapped here (and
-whether an integration found none to swap and said so), and the warning for a process that
-sets the offload flag without ``swapopt run``.
+whether an integration found none to swap and said so), the record of their figures and of
+the offload sessions' (``_record``), and the warning for a process that sets the offload flag
+without ``swapopt run``.
 
 Framework-free and cheap. Importing swapopt reads no environment: the warning comes on first
 use, when the first plugin manager is built (every swap and offload session asks for one).
@@ -11,9 +12,15 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
+from swapopt_core import _record
 from swapopt_core._errors import SwapOptWarning
+
+if TYPE_CHECKING:
+    from swapopt_core._activations.session import OffloadStats
+    from swapopt_core._swap.engine import EngineBase
 
 __all__ = [
     "BUDGET_ENV",
@@ -44,10 +51,12 @@ _nothing_to_swap = 0
 _warned = False
 
 
-def note_swapped() -> None:
-    """Count one optimizer swapped in this process (called by ``swap_optimizer``)."""
+def note_swapped(engine: EngineBase) -> None:
+    """Count one optimizer swapped in this process and record its figures (called by
+    ``swap_optimizer`` once ``engine`` is installed)."""
     global _swapped
     _swapped += 1
+    _record.record_swap(engine)
 
 
 def swapped_count() -> int:
@@ -67,10 +76,12 @@ def nothing_to_swap_count() -> int:
     return _nothing_to_swap
 
 
-def note_offload_session() -> None:
-    """Count one ``OffloadSession`` created in this process."""
+def note_offload_session(session: object, snapshot: Callable[[], OffloadStats]) -> None:
+    """Count one ``OffloadSession`` created in this process and record it; ``snapshot``
+    computes its figures without referring to the session (``_record.record_session``)."""
     global _sessions
     _sessions += 1
+    _record.record_session(session, snapshot)
 
 
 def offload_session_count() -> int:

@@ -180,7 +180,9 @@ class OffloadSession:
         self._token: contextvars.Token | None = None
         self._lock = threading.Lock()
         self._owner: threading.Thread | None = None  # the thread inside the session
-        _launch.note_offload_session()  # what `swapopt run` checks at exit
+        # What `swapopt run` checks and sums up at exit; the figures come from the parts.
+        snapshot = functools.partial(_session_stats, self._executor, self._budget)
+        _launch.note_offload_session(self, snapshot)
 
     @property
     def trace(self) -> ActivationTrace | None:
@@ -265,19 +267,7 @@ class OffloadSession:
     # ---- results -------------------------------------------------------------------------
 
     def stats(self) -> OffloadStats:
-        executor = self._executor
-        return OffloadStats(
-            **dataclasses.asdict(executor.counts),
-            host_peak_bytes=executor.pool.peak if executor.pool is not None else 0,
-            planned_actions=len(executor.schedule) if executor.schedule is not None else 0,
-            budget_bytes=executor.budget_bytes,
-            plans_kept=len(executor.book),
-            **(
-                self._budget.stats()
-                if self._budget is not None
-                else {"activation_budget_bytes": executor.budget_bytes}
-            ),
-        )
+        return _session_stats(self._executor, self._budget)
 
     # ---- opaque regions ------------------------------------------------------------------
 
@@ -306,6 +296,23 @@ class OffloadSession:
             return outputs
         finally:
             entry.end_virtual(outputs)
+
+
+def _session_stats(executor: Executor, budget: StepBudget | None) -> OffloadStats:
+    """A session's figures from its parts (the process-wide record calls it without the
+    session)."""
+    return OffloadStats(
+        **dataclasses.asdict(executor.counts),
+        host_peak_bytes=executor.pool.peak if executor.pool is not None else 0,
+        planned_actions=len(executor.schedule) if executor.schedule is not None else 0,
+        budget_bytes=executor.budget_bytes,
+        plans_kept=len(executor.book),
+        **(
+            budget.stats()
+            if budget is not None
+            else {"activation_budget_bytes": executor.budget_bytes}
+        ),
+    )
 
 
 def _check_pairing(config: OffloadConfig, optimizer: object) -> None:

@@ -8,6 +8,11 @@ so this module imports no training framework), then runs the script as ``__main_
 an uncaught exception (``KeyboardInterrupt`` included) printed through ``sys.excepthook`` with
 the script's frames only. An uncaught ``KeyboardInterrupt`` ends the process by ``SIGINT``
 after the normal shutdown, as Python does.
+
+On stderr, so the script's stdout stays its own: a line before the script on what the
+settings ask for, and after it the summary of what was swapped and offloaded
+(``run_summary``, from the process-wide record ``swapopt_core._record``), on the first
+process of each machine only.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.machinery import SourceFileLoader, SourcelessFileLoader
 from types import TracebackType
+from typing import TYPE_CHECKING
 
+from swapopt_core._cli.run_summary import integrations_line, summary_lines
 from swapopt_core._launch import (
     RUN_ENV,
     nothing_to_swap_count,
@@ -33,6 +40,10 @@ from swapopt_core._launch import (
     swap_flag,
     swapped_count,
 )
+from swapopt_core._record import session_entries, swap_entries
+
+if TYPE_CHECKING:
+    from swapopt_core.options import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -101,20 +112,44 @@ def install_integrations() -> list[str]:
     Raises:
         ValueError: A ``SWAPOPT_*`` variable is invalid (an integration's message names it).
     """
+    return _install()[1]
+
+
+def _install() -> tuple[Settings, list[str]]:
+    """``install_integrations``, with the settings read (what the run asks for)."""
     from swapopt_core._automatic import strict_mode
     from swapopt_core._plugins import get_plugin_manager
     from swapopt_core.options import read_settings
 
     # Checked here too, so a bad value (or both budgets) stops the run with no framework.
-    read_settings({}, owner="swapopt run")
+    settings = read_settings({}, owner="swapopt run")
     strict_mode()
     os.environ[RUN_ENV] = "1"
     names = get_plugin_manager().hook.swapopt_install_integrations()
-    return sorted({name for name in names if name})
+    return settings, sorted({name for name in names if name})
 
 
 def _main_rank() -> bool:
     return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK"))
+
+
+def _local_main() -> bool:
+    """Whether this is the first process on its machine (``LOCAL_RANK`` 0 or unset)."""
+    return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
+
+
+def _print_summary() -> None:
+    """Sum up what was swapped and offloaded in this process, on stderr (the script's
+    stdout stays its own); only the first process on each machine prints."""
+    if not _local_main():
+        return
+    try:
+        lines = summary_lines(swap_entries(), session_entries())
+    except Exception as error:  # noqa: BLE001 - the script's result must not change for it
+        logger.warning("swapopt run: no summary of this run (%s: %s)", type(error).__name__, error)
+        return
+    if lines:
+        print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _script_frames(tb: TracebackType | None) -> TracebackType | None:
@@ -264,13 +299,12 @@ def run(target: RunTarget) -> int:
         print(f"swapopt run: error: no such script: {target.target!r}", file=sys.stderr)
         return 2  # what `python missing.py` returns
     try:
-        names = install_integrations()
+        settings, names = _install()
     except ValueError as error:
         print(f"swapopt run: error: {error}", file=sys.stderr)
         return 2
     if _main_rank():
-        on = ", ".join(names) if names else "none (no SWAPOPT_* flag set, or no framework)"
-        print(f"swapopt run: integrations on: {on}", file=sys.stderr)
+        print(integrations_line(settings, names), file=sys.stderr)
     logger.info("swapopt run: %s %s with integrations %s", target.target, target.args, names)
     sys.argv = [target.target, *target.args]
     # A file runs as a script; a directory or zip file (a sys.path entry) by its __main__.py.
@@ -292,17 +326,28 @@ def run(target: RunTarget) -> int:
             _run_file(target.target)
         else:  # __file__ and sys.path[0] absolute as Python makes them (sys.argv[0] too)
             runpy.run_path(os.path.abspath(target.target), run_name="__main__")
-        status = 0
     except SystemExit as exc:
-        status = _exit_status(exc.code)
+        _end(succeeded=exc.code in (None, 0))
+        return _exit_status(exc.code)
     except KeyboardInterrupt as exc:
         _print_uncaught(exc)
         _printed_already(sys.excepthook)
         raise
     except BaseException as exc:  # noqa: BLE001 - printed like Python prints it
+        _end(succeeded=False)
         _print_uncaught(exc)
-        status = 1
+        return 1
+    _end(succeeded=True)
+    return 0
+
+
+def _end(*, succeeded: bool) -> None:
+    """After the script: the summary, and on success the nothing-swapped warning.
+
+    A failed script gets its summary too (what was swapped until then), printed before
+    the error Python prints for it, so that the error stays last on the screen.
+    """
     sys.stdout.flush()
-    if status == 0:
+    _print_summary()
+    if succeeded:
         _warn_if_nothing_swapped()
-    return status

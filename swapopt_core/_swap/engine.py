@@ -26,6 +26,7 @@ from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import AnyRuntime
 from swapopt_core._planning.partition import partition
 from swapopt_core._planning.whole_step import OptimizerCosts
+from swapopt_core._record import record_step
 from swapopt_core._stats import SwapStats, engine_stats
 from swapopt_core._swap.costs import CostMeter, StepTiming
 from swapopt_core._swap.ledger import DeviceLedger
@@ -387,7 +388,9 @@ class EngineBase(ABC):
             self.steps += 1
             self.last_batches = batches
         self.observers_owed = True
-        self.plugin_manager.hook.swapopt_after_step(optimizer=self.optimizer, stats=self.stats())
+        stats = self.stats()
+        record_step(self, stats)  # the process-wide record keeps the latest, computing nothing
+        self.plugin_manager.hook.swapopt_after_step(optimizer=self.optimizer, stats=stats)
         self.observers_owed = False
 
     def stats(self) -> SwapStats:

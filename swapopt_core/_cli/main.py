@@ -127,10 +127,11 @@ def _demo_command(parser: argparse.ArgumentParser) -> Handler:
         flags = ("steps", "swap_times", "device", "seed", "layers", "width", "threads")
         given = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
         options = dataclasses.replace(base, packed=args.packed, **given)
-        if options.width % options.heads:
+        heads = options.heads
+        if options.width % heads:
             parser.error(
-                f"--width {options.width}: must be a multiple of the {options.heads} heads. "
-                f"Pass for example --width {options.heads * max(1, options.width // options.heads)}."
+                f"--width {options.width}: must be a multiple of the {heads} heads. "
+                f"Pass for example --width {heads * max(1, options.width // heads)}."
             )
         report = run_demo(options, console=Console(stderr=True))
         console = Console()

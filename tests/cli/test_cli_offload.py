@@ -378,12 +378,67 @@ def test_plot_draws_recomputes_on_the_compute_lane(recompute_file: Path, tmp_pat
     _assert_png(out)
 
 
-def test_an_infeasible_budget_names_the_op_that_sets_the_floor(
+def test_an_infeasible_budget_names_the_budget_the_floor_and_fails(
     recompute_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "plan.json"
-    assert (
-        main(["plan", "--trace", str(recompute_file), "--budget-mb", "2", "--out", str(out)]) == 0
-    )
+    argv = ["plan", "--trace", str(recompute_file), "--budget-mb", "4", "--out", str(out)]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    err = " ".join(captured.err.split())
+    assert err.startswith("swapopt plan: error: --budget-mb 4: no plan fits under the 4.00 MiB")
+    assert "the floor, the least any plan needs, is 9.00 MiB" in err
+    assert "op 5 (loss) reads and writes 9.00 MiB" in err
+    assert "Pass --budget-mb 9 or more, or --allow-over" in err
+    assert captured.out == "" and not out.exists()  # nothing written
+
+
+def test_allow_over_writes_the_best_plan_and_says_so(
+    recompute_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--trace", str(recompute_file), "--budget-mb", "4", "--out", str(out)]
+    assert main([*argv, "--allow-over"]) == 0
     printed = " ".join(capsys.readouterr().out.split())
-    assert "No plan fits under 9.00 MiB: op 5 (loss) reads and writes 9.00 MiB" in printed
+    assert "Over budget: no plan fits under the 4.00 MiB asked" in printed
+    assert "is 9.00 MiB" in printed and "Pass --budget-mb 9 or more" in printed
+    assert "over the budget (--allow-over): it peaks at 9.00 MiB" in printed
+    result = simulate(
+        recompute_trace().with_limit(4 * MIB), ResidencySchedule.from_json(out.read_text())
+    )
+    assert result.peak_bytes == 9 * MIB  # the best any plan can do
+
+
+def test_a_planner_over_a_feasible_budget_fails_unless_allowed(
+    recompute_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from swapopt_core._planning.interface import ResidencyPlanner
+
+    class Lazy(ResidencyPlanner):
+        name = "lazy"
+
+        def plan(self, trace: ActivationTrace) -> ResidencySchedule:
+            return ResidencySchedule()
+
+    monkeypatch.setattr(
+        "swapopt_core._cli.support.choose_planner", lambda manager, name, flag="--planner": Lazy()
+    )
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--trace", str(recompute_file), "--budget-mb", "13", "--out", str(out)]
+    assert main(argv) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--budget-mb 13: the plan by lazy peaks at 16.00 MiB, over the 13.00 MiB asked" in err
+    assert "the floor, the least any plan needs, is 9.00 MiB" in err and not out.exists()
+    assert main([*argv, "--allow-over"]) == 0
+    assert out.exists()
+
+
+def test_the_least_budget_reads_back_at_or_above_the_floor() -> None:
+    from swapopt_core._cli.support import budget_bytes, least_budget_mb
+
+    for floor in (1, 9 * MIB, 9 * MIB + 1, 123_456_789, 3 * MIB // 7):
+        least = least_budget_mb(floor)
+        assert budget_bytes(least) >= floor > budget_bytes(float(least) - 0.01)

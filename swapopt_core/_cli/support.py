@@ -291,11 +291,12 @@ def floor_problem(trace: ActivationTrace, flag: str = "--budget-mb") -> str | No
 def budget_problem(
     trace: ActivationTrace,
     result: SimulationResult,
-    planner_name: str,
+    plan: str,
     flag: str = "--budget-mb",
 ) -> str | None:
     """Why the plan simulated as ``result`` does not keep ``trace``'s budget, naming the budget
-    asked, the floor and the fix; None when it keeps it.
+    asked, the floor and the fix; None when it keeps it. ``plan`` names the plan in the
+    message ("the plan by timed", "the plan in plan.json").
 
     Either the budget is below the floor (:func:`floor_problem`: no plan can fit), or the
     planner's plan goes over a budget some plan could keep.
@@ -304,7 +305,7 @@ def budget_problem(
     if budget is None or result.peak_bytes <= budget:
         return None
     return floor_problem(trace, flag) or (
-        f"the plan by {planner_name} peaks at {mib(result.peak_bytes)}, over the "
+        f"{plan} peaks at {mib(result.peak_bytes)}, over the "
         f"{mib(budget)} asked (the floor, the least any plan needs, is "
         f"{mib(min_feasible_budget(trace))}). Pass another --planner or a larger {flag}"
     )
@@ -326,7 +327,7 @@ def summary(
     table.add_row("natural peak", mib(result.natural_peak_bytes))
     table.add_row("budget", "unlimited" if budget is None else mib(budget))
     peak = mib(result.peak_bytes)
-    problem = budget_problem(trace, result, planner_name)
+    problem = budget_problem(trace, result, f"the plan by {planner_name}")
     if problem is not None:
         peak = f"[red]{peak}, over budget[/]"
         notes.append(f"[yellow]Over budget: {problem}.[/]")

@@ -105,7 +105,7 @@ def _plan_command(parser: argparse.ArgumentParser) -> Handler:
             if problem is None or args.allow_over:
                 schedule = planner.plan(trace)
                 result = simulate(trace, schedule)
-                problem = cli.budget_problem(trace, result, planner.name)
+                problem = cli.budget_problem(trace, result, f"the plan by {planner.name}")
             if problem is not None and not args.allow_over:
                 print(
                     f"{parser.prog}: error: --budget-mb {args.budget_mb}: {problem}, or "
@@ -153,21 +153,27 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
                     trace = trace.with_limit(cli.budget_bytes(args.budget_mb))
                 schedule = cli.read_schedule(args.schedule)
                 cli.simulate_checked(trace, schedule, args.schedule)
+                plan = f"the plan in {args.schedule}"
             else:
-                trace, schedule, _ = cli.plan_file(args.trace, args.budget_mb, args.planner)
+                trace, schedule, planner = cli.plan_file(args.trace, args.budget_mb, args.planner)
+                plan = f"the plan by {planner}"
             result = cli.atomic_write(
                 args.out, lambda temporary: plot_timeline(trace, schedule, temporary)
             )
         except (cli.CommandError, ModuleNotFoundError) as error:  # matplotlib is optional
             return user_error(parser, str(error))
         recomputed = result.recomputes + result.demand_recomputes
-        Console().print(
+        console = Console()
+        console.print(
             f"Memory timeline written to {args.out} (peak "
             f"{result.peak_bytes / cli.MIB:,.1f} MiB, overhead "
             f"{100 * result.overhead:.1f} %"
             + (f", {recomputed} recompute{'' if recomputed == 1 else 's'}" if recomputed else "")
             + ")."
         )
+        problem = cli.budget_problem(trace, result, plan)
+        if problem is not None:  # drawn, and marked on the plot
+            console.print(f"[yellow]Over budget, marked on the plot: {problem}.[/]")
         return 0
 
     return run

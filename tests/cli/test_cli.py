@@ -169,6 +169,20 @@ def test_version_is_the_installed_metadata(capsys: pytest.CaptureFixture[str]) -
     assert f"(torch {version('torch')})" in " ".join(words)
 
 
+def test_module_version_subprocess() -> None:
+    from importlib.metadata import version
+
+    result = subprocess.run(
+        [sys.executable, "-m", "swapopt_core", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"swapopt {version('swapopt')} (torch ")
+
+
 def test_quick_help_names_its_sizes_and_the_three_arenas(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -239,13 +239,17 @@ def _train(
     )
 
 
-def run_demo(options: DemoOptions, console: Console | None = None) -> DemoReport:
+def run_demo(
+    options: DemoOptions, console: Console | None = None, *, plain_progress: bool | None = None
+) -> DemoReport:
     """Trains the tiny GPT with plain AdamW, then with swapped AdamW, from identical starts.
 
     Args:
         options: Model, data and swap settings.
         console: Where the progress goes; a default console when None. A terminal gets a
             live bar; anything else (a CI log, a pipe) plain lines.
+        plain_progress: Plain lines (True) or the live bar (False) whatever ``console`` is;
+            None decides by ``console``.
 
     Returns:
         Both runs' measurements.
@@ -266,7 +270,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoReport
     data = make_batches(options, options.steps + 1).to(device)
     batches, eval_batch = data[:-1], data[-1]
     logger.info("demo: %d parameters on %s, %d steps each run", num_params, device, options.steps)
-    progress = DemoProgress(console or Console())
+    progress = DemoProgress(console or Console(), plain=plain_progress)
     progress.note(
         f"swapopt demo: TinyGPT {num_params / 1e6:.2f}M params on {device}, two runs of "
         f"{options.steps} steps (plain AdamW, then swapped AdamW)"

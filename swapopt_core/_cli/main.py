@@ -133,8 +133,10 @@ def _demo_command(parser: argparse.ArgumentParser) -> Handler:
                 f"--width {options.width}: must be a multiple of the {heads} heads. "
                 f"Pass for example --width {heads * max(1, options.width // heads)}."
             )
-        report = run_demo(options, console=Console(stderr=True))
-        console = Console()
+        console, progress = Console(), Console(stderr=True)
+        # A live bar only when both streams are terminals: a redirected report is a log too.
+        plain = not (console.is_terminal and progress.is_terminal)
+        report = run_demo(options, console=progress, plain_progress=plain)
         console.print(render_report(report))
         if report.identical:
             console.print("[green]OK[/]: swapped AdamW ended bit-identical to plain AdamW.")

@@ -197,7 +197,7 @@ def test_quick_help_names_its_sizes_and_the_three_arenas(
 def test_flags_given_with_quick_override_its_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[DemoOptions] = []
 
-    def fake_run(options: DemoOptions, console: object) -> None:
+    def fake_run(options: DemoOptions, console: object, **_: object) -> None:
         seen.append(options)
         raise SystemExit(0)
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch import nn
 
 from swapopt_core import SwapOptimizerConfig, SwapStats, swap_optimizer, swap_stats
+from swapopt_core._cli.demo_progress import DemoProgress
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class DemoOptions:
         seq_len: Tokens per training sequence.
         batch_size: Sequences per batch.
         lr: AdamW learning rate.
+        threads: Torch CPU threads during the runs; None keeps torch's setting.
     """
 
     steps: int = 100
@@ -57,6 +58,15 @@ class DemoOptions:
     seq_len: int = 64
     batch_size: int = 8
     lr: float = 3e-3
+    threads: int | None = None
+
+
+QUICK = DemoOptions(steps=30, layers=2, width=128, seq_len=32, threads=1)
+"""``swapopt demo --quick``: a model and a run a few seconds long on a CPU.
+
+One thread: on a busy machine a small model's steps gain nothing from more, and lose much
+when those threads wait for cores that others hold.
+"""
 
 
 @dataclass
@@ -187,7 +197,7 @@ def _train(
     eval_batch: torch.Tensor,
     config: SwapOptimizerConfig | None,
     options: DemoOptions,
-    progress: Progress,
+    progress: DemoProgress,
 ) -> RunResult:
     """Trains a copy of ``template``; with a ``config`` its AdamW runs swapped."""
     device = batches.device
@@ -198,7 +208,7 @@ def _train(
     if _on_accelerator(device):
         torch.accelerator.reset_peak_memory_stats(device)
     label = "swapped AdamW" if config is not None else "plain AdamW"
-    task = progress.add_task(label, total=len(batches), loss=float("nan"))
+    progress.begin(label, len(batches))
     first_loss, step_seconds, state_bytes = float("nan"), [], 0
     for step, batch in enumerate(batches):
         loss = _loss(model, batch)
@@ -213,7 +223,7 @@ def _train(
             state_bytes = max(state_bytes, _state_bytes(opt))
         value = loss.item()
         first_loss = value if step == 0 else first_loss
-        progress.update(task, advance=1, loss=value)
+        progress.advance(value)
     with torch.no_grad():
         final_loss = _loss(model, eval_batch).item()
     return RunResult(
@@ -229,13 +239,17 @@ def _train(
     )
 
 
-def run_demo(options: DemoOptions, console: Console | None = None) -> DemoReport:
+def run_demo(
+    options: DemoOptions, console: Console | None = None, *, plain_progress: bool | None = None
+) -> DemoReport:
     """Trains the tiny GPT with plain AdamW, then with swapped AdamW, from identical starts.
 
     Args:
         options: Model, data and swap settings.
-        console: Where the progress bar goes; a default console when None. The bar is shown
-            only on a terminal.
+        console: Where the progress goes; a default console when None. A terminal gets a
+            live bar; anything else (a CI log, a pipe) plain lines.
+        plain_progress: Plain lines (True) or the live bar (False) whatever ``console`` is;
+            None decides by ``console``.
 
     Returns:
         Both runs' measurements.
@@ -256,17 +270,20 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoReport
     data = make_batches(options, options.steps + 1).to(device)
     batches, eval_batch = data[:-1], data[-1]
     logger.info("demo: %d parameters on %s, %d steps each run", num_params, device, options.steps)
-    console = console or Console()
-    columns = (
-        TextColumn("{task.description:>14}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TimeElapsedColumn(),
+    progress = DemoProgress(console or Console(), plain=plain_progress)
+    progress.note(
+        f"swapopt demo: TinyGPT {num_params / 1e6:.2f}M params on {device}, two runs of "
+        f"{options.steps} steps (plain AdamW, then swapped AdamW)"
     )
-    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
-        plain = _train(template, batches, eval_batch, None, options, progress)
-        swapped = _train(template, batches, eval_batch, config, options, progress)
+    threads = torch.get_num_threads()
+    try:
+        if options.threads is not None:
+            torch.set_num_threads(options.threads)
+        with progress:
+            plain = _train(template, batches, eval_batch, None, options, progress)
+            swapped = _train(template, batches, eval_batch, config, options, progress)
+    finally:
+        torch.set_num_threads(threads)
     return DemoReport(options, device, num_params, plain, swapped)
 
 

@@ -2,7 +2,8 @@
 
 The work is in ``swapopt_core._estimate``; this module declares the options, turns every
 wrong input into one line naming the flag and the fix (exit code 2), and a budget below the
-floor into the planner's message (exit code 1).
+floor into the planner's message naming the budget and the floor (exit code 1, as ``swapopt
+plan`` without ``--allow-over``).
 """
 
 from __future__ import annotations
@@ -115,10 +116,13 @@ def _estimate_command(parser: argparse.ArgumentParser) -> Handler:
                 min_numel=args.min_numel,
             )
         except BudgetTooSmall as error:
+            # The planner words its fix for the Python option; here the flag is the fix.
+            message = str(error).replace("device_budget_mb", "--budget-mb")
+            if budget is not None and error.floor_bytes > budget:
+                floor = f"{error.floor_bytes / _MIB:,.2f}".rstrip("0").rstrip(".")
+                message += f" (floor: {floor} MiB)"
             print(
-                f"{parser.prog}: --budget-mb {args.budget_mb:g}: {error} (floor: "
-                f"{error.floor_bytes / _MIB:,.0f} MiB)",
-                file=sys.stderr,
+                f"{parser.prog}: error: --budget-mb {args.budget_mb:g}: {message}", file=sys.stderr
             )
             return 1
         except (CommandError, ValueError) as error:

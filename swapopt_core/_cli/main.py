@@ -53,23 +53,36 @@ def _demo_device(text: str | None) -> str | None:
 def _demo_command(parser: argparse.ArgumentParser) -> Handler:
     """Declares ``swapopt demo``: two identical training runs, one with the swap installed."""
 
-    from swapopt_core._cli.demo import DemoOptions, render_report, run_demo
+    from swapopt_core._cli.demo import QUICK, DemoOptions, render_report, run_demo
 
     defaults = DemoOptions()
     parser.description = (
         "Train a small GPT-style decoder on synthetic tokens twice from the same weights and "
         "data: once with plain torch.optim.AdamW, once with the same AdamW under "
         "swap_optimizer. Prints losses, optimizer-state memory, bytes moved and step times. "
-        "Exits 0 when the final parameters of both runs are bit-identical, 1 otherwise."
+        "Exits 0 when the final parameters of both runs are bit-identical, 1 otherwise. "
+        "On a terminal a live bar shows the progress; in a log or a pipe, plain lines do."
     )
-    dflt = " (default: %(default)s)"
     add = parser.add_argument
-    add("--steps", type=positive_int, default=defaults.steps, help="steps per run" + dflt)
+
+    def dflt(name: str) -> str:
+        """The help's default: the full demo's, and the quick one's where it differs."""
+        full, quick = getattr(defaults, name), getattr(QUICK, name)
+        return f" (default: {full}{f'; --quick: {quick}' if quick != full else ''})"
+
+    add(
+        "--quick",
+        action="store_true",
+        help=f"a smaller model and a shorter run, seconds on a CPU: {QUICK.layers} blocks of "
+        f"width {QUICK.width}, {QUICK.steps} steps, sequences of {QUICK.seq_len} tokens, "
+        f"{QUICK.threads} CPU thread; flags given as well override these",
+    )
+    # default None: a flag not given takes the full or the quick demo's value.
+    add("--steps", type=positive_int, help="steps per run" + dflt("steps"))
     add(
         "--swap-times",
         type=positive_int,
-        default=defaults.swap_times,
-        help="batches the swapped step is pipelined over" + dflt,
+        help="batches the swapped step is pipelined over" + dflt("swap_times"),
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
@@ -78,8 +91,9 @@ def _demo_command(parser: argparse.ArgumentParser) -> Handler:
         action="store_const",
         const=True,
         default=defaults.packed,
-        help="one host buffer per dtype, staged through two device arenas "
-        "(default: the runtime's choice)",
+        help="one host buffer per dtype; each batch moves in one copy per dtype into its own "
+        "device buffer, at most three batches on the device at once (one coming in, one "
+        "updating, one going out) (default: the runtime's choice)",
     )
     mode.add_argument(
         "--per-tensor",
@@ -91,26 +105,38 @@ def _demo_command(parser: argparse.ArgumentParser) -> Handler:
     add(
         "--device",
         type=_demo_device,
-        default=defaults.device,
         help="torch device (default: cuda if available, else cpu; cpu uses the loopback runtime)",
     )
-    add("--seed", type=int, default=defaults.seed, help="seed of the weights and the data" + dflt)
-    add("--layers", type=positive_int, default=defaults.layers, help="transformer blocks" + dflt)
+    add("--seed", type=int, help="seed of the weights and the data" + dflt("seed"))
+    add("--layers", type=positive_int, help="transformer blocks" + dflt("layers"))
     add(
         "--width",
         type=positive_int,
-        default=defaults.width,
-        help=f"embedding width, a multiple of {defaults.heads} heads" + dflt,
+        help=f"embedding width, a multiple of {defaults.heads} heads" + dflt("width"),
+    )
+    add(
+        "--threads",
+        type=positive_int,
+        help="torch CPU threads during the runs (default: torch's setting; --quick: "
+        f"{QUICK.threads})",
     )
 
     def run(args: argparse.Namespace) -> int:
-        if args.width % defaults.heads:
-            parser.error(f"--width must be a multiple of {defaults.heads}")
-        # Each flag's dest is the DemoOptions field it sets.
-        flags = ("steps", "swap_times", "packed", "device", "seed", "layers", "width")
-        options = dataclasses.replace(defaults, **{name: getattr(args, name) for name in flags})
-        report = run_demo(options, console=Console(stderr=True))
-        console = Console()
+        base = QUICK if args.quick else defaults
+        # Each flag's dest is the DemoOptions field it sets; a flag not given keeps base's.
+        flags = ("steps", "swap_times", "device", "seed", "layers", "width", "threads")
+        given = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
+        options = dataclasses.replace(base, packed=args.packed, **given)
+        heads = options.heads
+        if options.width % heads:
+            parser.error(
+                f"--width {options.width}: must be a multiple of the {heads} heads. "
+                f"Pass for example --width {heads * max(1, options.width // heads)}."
+            )
+        console, progress = Console(), Console(stderr=True)
+        # A live bar only when both streams are terminals: a redirected report is a log too.
+        plain = not (console.is_terminal and progress.is_terminal)
+        report = run_demo(options, console=progress, plain_progress=plain)
         console.print(render_report(report))
         if report.identical:
             console.print("[green]OK[/]: swapped AdamW ended bit-identical to plain AdamW.")
@@ -182,6 +208,24 @@ def _log_swapopt_only(level: int) -> None:
         logger_.propagate = False  # else a handler the script installs prints them twice
 
 
+def version_line() -> str:
+    """``swapopt X.Y.Z (torch A.B.C)``: the installed distributions' versions, from their metadata.
+
+    A source tree that was never installed has no metadata; the line says so and how to fix it.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("swapopt")
+    except PackageNotFoundError:
+        ours = "(version unknown: the package is not installed; pip install -e . records it)"
+    try:
+        torch = f"torch {version('torch')}"
+    except PackageNotFoundError:
+        torch = "torch not installed"
+    return f"swapopt {ours} ({torch})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Builds the ``swapopt`` parser with one subparser per registered command."""
     parser = argparse.ArgumentParser(
@@ -190,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="log more (-v: info, -vv: debug)"
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=version_line(),
+        help="print swapopt's version (and torch's) and exit",
     )
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     commands.required = True

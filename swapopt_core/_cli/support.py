@@ -31,8 +31,12 @@ __all__ = [
     "CommandError",
     "atomic_write",
     "budget_bytes",
+    "budget_problem",
     "choose_planner",
+    "floor_problem",
     "image_target",
+    "least_budget_mb",
+    "mib",
     "plan_file",
     "plan_trace",
     "read_schedule",
@@ -256,8 +260,55 @@ def image_target(path: str, flag: str = "--out", *, inputs: dict[str, str] | Non
         )
 
 
-def _mib(nbytes: float) -> str:
+def mib(nbytes: float) -> str:
+    """``nbytes`` in MiB with two decimals: ``4.00 MiB``."""
     return f"{nbytes / MIB:,.2f} MiB"
+
+
+def least_budget_mb(floor: int) -> str:
+    """The smallest ``--budget-mb`` text, to two decimals, that reads back as ``floor`` bytes or
+    more (``budget_bytes`` rounds down)."""
+    hundredths = -(-floor * 100 // MIB)
+    while budget_bytes(f"{hundredths / 100:g}") < floor:  # guard against a float rounding down
+        hundredths += 1
+    return f"{hundredths / 100:g}"
+
+
+def floor_problem(trace: ActivationTrace, flag: str = "--budget-mb") -> str | None:
+    """Why no plan can keep ``trace``'s budget, naming the budget asked, the floor (the least
+    any plan needs, and what sets it) and the fix; None when the budget is not below the floor.
+    """
+    budget = trace.memory_limit_bytes
+    floor = min_feasible_budget(trace)
+    if budget is None or budget >= floor:
+        return None
+    return (
+        f"no plan fits under the {mib(budget)} asked: the floor, the least any plan needs, "
+        f"is {mib(floor)} ({floor_reason(trace)}). Pass {flag} {least_budget_mb(floor)} or more"
+    )
+
+
+def budget_problem(
+    trace: ActivationTrace,
+    result: SimulationResult,
+    plan: str,
+    flag: str = "--budget-mb",
+) -> str | None:
+    """Why the plan simulated as ``result`` does not keep ``trace``'s budget, naming the budget
+    asked, the floor and the fix; None when it keeps it. ``plan`` names the plan in the
+    message ("the plan by timed", "the plan in plan.json").
+
+    Either the budget is below the floor (:func:`floor_problem`: no plan can fit), or the
+    planner's plan goes over a budget some plan could keep.
+    """
+    budget = trace.memory_limit_bytes
+    if budget is None or result.peak_bytes <= budget:
+        return None
+    return floor_problem(trace, flag) or (
+        f"{plan} peaks at {mib(result.peak_bytes)}, over the "
+        f"{mib(budget)} asked (the floor, the least any plan needs, is "
+        f"{mib(min_feasible_budget(trace))}). Pass another --planner or a larger {flag}"
+    )
 
 
 def summary(
@@ -273,17 +324,13 @@ def summary(
     table.add_column(style="bold")
     table.add_column()
     notes: list[str] = []
-    table.add_row("natural peak", _mib(result.natural_peak_bytes))
-    table.add_row("budget", "unlimited" if budget is None else _mib(budget))
-    peak = _mib(result.peak_bytes)
-    if budget is not None and result.peak_bytes > budget:
+    table.add_row("natural peak", mib(result.natural_peak_bytes))
+    table.add_row("budget", "unlimited" if budget is None else mib(budget))
+    peak = mib(result.peak_bytes)
+    problem = budget_problem(trace, result, f"the plan by {planner_name}")
+    if problem is not None:
         peak = f"[red]{peak}, over budget[/]"
-        floor = min_feasible_budget(trace)
-        if budget < floor:
-            notes.append(
-                f"[yellow]No plan fits under {_mib(floor)}: {floor_reason(trace)}. "
-                "Raise --budget-mb.[/]"
-            )
+        notes.append(f"[yellow]Over budget: {problem}.[/]")
     table.add_row("planned peak", peak)
     table.add_row("step time", f"{result.compute_ms:,.3f} ms -> {result.total_ms:,.3f} ms")
     overhead = f"{100 * result.overhead:.1f} %"
@@ -296,8 +343,8 @@ def summary(
         overhead += f" (no plan can go below {100 * bound:.1f} %{without})"
     table.add_row("overhead", overhead)
     table.add_row("actions", str(len(schedule)))
-    table.add_row("moved D2H / H2D", f"{_mib(result.d2h_bytes)} / {_mib(result.h2d_bytes)}")
-    table.add_row("host peak", _mib(result.peak_host_bytes))
+    table.add_row("moved D2H / H2D", f"{mib(result.d2h_bytes)} / {mib(result.h2d_bytes)}")
+    table.add_row("host peak", mib(result.peak_host_bytes))
     if result.recomputes or result.demand_recomputes:
         on_demand = (
             f", [yellow]{result.demand_recomputes} on demand[/]" if result.demand_recomputes else ""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from rich.console import Console
 
@@ -51,8 +52,9 @@ _PLAN = _TraceCommand(
     description=(
         "Read an activation trace (ActivationTrace.to_json(), e.g. OffloadSession.trace), plan "
         "it under an activation budget with a registered planner, write the residency "
-        "schedule as JSON and print what the plan does in a simulated step. The formats are "
-        "described in docs/formats.md."
+        "schedule as JSON and print what the plan does in a simulated step. When no plan "
+        "keeps the budget (it is below the floor, the least any plan needs), say so and exit "
+        "1 without writing, unless --allow-over. The formats are described in docs/formats.md."
     ),
     trace="the activation trace to plan",
     budget="activation budget on the device, in MiB",
@@ -85,18 +87,39 @@ def _plan_command(parser: argparse.ArgumentParser) -> Handler:
     from swapopt_core._planning.simulate import simulate
 
     _PLAN.declare(parser)
+    parser.add_argument(
+        "--allow-over",
+        action="store_true",
+        help="when no plan keeps the budget, write the best plan over it and exit 0 "
+        "(without it: an error naming the budget and the floor, exit 1, nothing written)",
+    )
 
     def run(args: argparse.Namespace) -> int:
+        from swapopt_core._plugins import get_plugin_manager
+
         try:
             cli.writable_target(args.out, inputs={"--trace": args.trace})
-            trace, schedule, planner = cli.plan_file(args.trace, args.budget_mb, args.planner)
-            result = simulate(trace, schedule)
+            trace = cli.read_trace(args.trace).with_limit(cli.budget_bytes(args.budget_mb))
+            planner = cli.choose_planner(get_plugin_manager(), args.planner)
+            problem = cli.floor_problem(trace)  # known before planning: fail fast
+            if problem is None or args.allow_over:
+                schedule = planner.plan(trace)
+                result = simulate(trace, schedule)
+                problem = cli.budget_problem(trace, result, f"the plan by {planner.name}")
+            if problem is not None and not args.allow_over:
+                print(
+                    f"{parser.prog}: error: --budget-mb {args.budget_mb}: {problem}, or "
+                    "--allow-over to write the best plan over the budget.",
+                    file=sys.stderr,
+                )
+                return 1
             cli.write_text(args.out, schedule.to_json())
         except cli.CommandError as error:
             return user_error(parser, str(error))
         console = Console()
-        console.print(cli.summary(trace, schedule, planner, result))
-        console.print(f"Schedule written to {args.out}.")
+        console.print(cli.summary(trace, schedule, planner.name, result))
+        over = f", over the budget (--allow-over): it peaks at {cli.mib(result.peak_bytes)}"
+        console.print(f"Schedule written to {args.out}{over if problem else ''}.")
         return 0
 
     return run
@@ -130,21 +153,27 @@ def _plot_command(parser: argparse.ArgumentParser) -> Handler:
                     trace = trace.with_limit(cli.budget_bytes(args.budget_mb))
                 schedule = cli.read_schedule(args.schedule)
                 cli.simulate_checked(trace, schedule, args.schedule)
+                plan = f"the plan in {args.schedule}"
             else:
-                trace, schedule, _ = cli.plan_file(args.trace, args.budget_mb, args.planner)
+                trace, schedule, planner = cli.plan_file(args.trace, args.budget_mb, args.planner)
+                plan = f"the plan by {planner}"
             result = cli.atomic_write(
                 args.out, lambda temporary: plot_timeline(trace, schedule, temporary)
             )
         except (cli.CommandError, ModuleNotFoundError) as error:  # matplotlib is optional
             return user_error(parser, str(error))
         recomputed = result.recomputes + result.demand_recomputes
-        Console().print(
+        console = Console()
+        console.print(
             f"Memory timeline written to {args.out} (peak "
             f"{result.peak_bytes / cli.MIB:,.1f} MiB, overhead "
             f"{100 * result.overhead:.1f} %"
             + (f", {recomputed} recompute{'' if recomputed == 1 else 's'}" if recomputed else "")
             + ")."
         )
+        problem = cli.budget_problem(trace, result, plan)
+        if problem is not None:  # drawn, and marked on the plot
+            console.print(f"[yellow]Over budget, marked on the plot: {problem}.[/]")
         return 0
 
     return run

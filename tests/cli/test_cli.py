@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import os
 import re
 import subprocess
 import sys
@@ -155,3 +158,89 @@ def test_tiny_gpt_is_causal() -> None:
     assert out.shape == (2, 12, 50)
     torch.testing.assert_close(out[:, :8], out_changed[:, :8], rtol=0, atol=1e-6)
     assert not torch.equal(out[:, 8:], out_changed[:, 8:])
+
+
+def test_version_is_the_installed_metadata(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[:2] == ["swapopt", version("swapopt")]
+    assert f"(torch {version('torch')})" in " ".join(words)
+
+
+def test_module_version_subprocess() -> None:
+    from importlib.metadata import version
+
+    result = subprocess.run(
+        [sys.executable, "-m", "swapopt_core", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"swapopt {version('swapopt')} (torch ")
+
+
+def test_quick_help_names_its_sizes_and_the_three_arenas(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--quick", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--quick a smaller model and a shorter run" in out
+    assert f"(default: 100; --quick: {_demo.QUICK.steps})" in out
+    assert "at most three batches on the device at once" in out
+    assert "two device arenas" not in out
+
+
+def test_flags_given_with_quick_override_its_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[DemoOptions] = []
+
+    def fake_run(options: DemoOptions, console: object, **_: object) -> None:
+        seen.append(options)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(_demo, "run_demo", fake_run)
+    assert main(["demo", "--quick", "--steps", "2", "--per-tensor"]) == 0
+    assert seen == [
+        dataclasses.replace(_demo.QUICK, steps=2, packed=False),
+    ]
+
+
+def test_plain_progress_lines_off_a_terminal() -> None:
+    from rich.console import Console
+
+    from swapopt_core._cli.demo_progress import DemoProgress
+
+    console = Console(file=io.StringIO(), force_terminal=False, width=200)
+    with DemoProgress(console, interval_s=1e9) as progress:
+        progress.begin("plain AdamW", 20)
+        for step in range(20):
+            progress.advance(1.0 / (step + 1))
+    lines = console.file.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        "plain AdamW: step 1/20",
+        *(f"plain AdamW: step {k}/20" for k in range(2, 21, 2)),
+    ]
+    assert lines[-1].startswith("plain AdamW: step 20/20, loss 0.0500, ")
+    assert lines[-1].endswith(" s elapsed")
+
+
+def test_quick_demo_in_a_pipe_prints_progress_and_passes() -> None:
+    # The one full demo run of the suite: --quick, as a CI log would run it (no terminal).
+    result = subprocess.run(
+        [sys.executable, "-m", "swapopt_core", "demo", "--quick", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = _demo.QUICK.steps
+    for run in ("plain AdamW", "swapped AdamW"):
+        assert f"{run}: step 1/{steps}, loss " in result.stderr
+        assert f"{run}: step {steps}/{steps}, loss " in result.stderr
+    assert _row(result.stdout, "final parameters")[-1] == "bit-identical"
+    assert "OK: swapped AdamW ended bit-identical" in result.stdout

@@ -378,12 +378,136 @@ def test_plot_draws_recomputes_on_the_compute_lane(recompute_file: Path, tmp_pat
     _assert_png(out)
 
 
-def test_an_infeasible_budget_names_the_op_that_sets_the_floor(
+def test_an_infeasible_budget_names_the_budget_the_floor_and_fails(
     recompute_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "plan.json"
-    assert (
-        main(["plan", "--trace", str(recompute_file), "--budget-mb", "2", "--out", str(out)]) == 0
-    )
+    argv = ["plan", "--trace", str(recompute_file), "--budget-mb", "4", "--out", str(out)]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    err = " ".join(captured.err.split())
+    assert err.startswith("swapopt plan: error: --budget-mb 4: no plan fits under the 4.00 MiB")
+    assert "the floor, the least any plan needs, is 9.00 MiB" in err
+    assert "op 5 (loss) reads and writes 9.00 MiB" in err
+    assert "Pass --budget-mb 9 or more, or --allow-over" in err
+    assert captured.out == "" and not out.exists()  # nothing written
+
+
+def test_allow_over_writes_the_best_plan_and_says_so(
+    recompute_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--trace", str(recompute_file), "--budget-mb", "4", "--out", str(out)]
+    assert main([*argv, "--allow-over"]) == 0
     printed = " ".join(capsys.readouterr().out.split())
-    assert "No plan fits under 9.00 MiB: op 5 (loss) reads and writes 9.00 MiB" in printed
+    assert "Over budget: no plan fits under the 4.00 MiB asked" in printed
+    assert "is 9.00 MiB" in printed and "Pass --budget-mb 9 or more" in printed
+    assert "over the budget (--allow-over): it peaks at 9.00 MiB" in printed
+    result = simulate(
+        recompute_trace().with_limit(4 * MIB), ResidencySchedule.from_json(out.read_text())
+    )
+    assert result.peak_bytes == 9 * MIB  # the best any plan can do
+
+
+def test_a_planner_over_a_feasible_budget_fails_unless_allowed(
+    recompute_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from swapopt_core._planning.interface import ResidencyPlanner
+
+    class Lazy(ResidencyPlanner):
+        name = "lazy"
+
+        def plan(self, trace: ActivationTrace) -> ResidencySchedule:
+            return ResidencySchedule()
+
+    monkeypatch.setattr(
+        "swapopt_core._cli.support.choose_planner", lambda manager, name, flag="--planner": Lazy()
+    )
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--trace", str(recompute_file), "--budget-mb", "13", "--out", str(out)]
+    assert main(argv) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--budget-mb 13: the plan by lazy peaks at 16.00 MiB, over the 13.00 MiB asked" in err
+    assert "the floor, the least any plan needs, is 9.00 MiB" in err and not out.exists()
+    assert main([*argv, "--allow-over"]) == 0
+    assert out.exists()
+
+
+def test_the_least_budget_reads_back_at_or_above_the_floor() -> None:
+    from swapopt_core._cli.support import budget_bytes, least_budget_mb
+
+    for floor in (1, 9 * MIB, 9 * MIB + 1, 123_456_789, 3 * MIB // 7):
+        least = least_budget_mb(floor)
+        assert budget_bytes(least) >= floor > budget_bytes(float(least) - 0.01)
+
+
+def _recompute_schedule() -> ResidencySchedule:
+    schedule = ResidencySchedule()
+    schedule.add_post(1, 6, ActionKind.RELEASE_DEVICE)
+    schedule.add_pre(5, 6, ActionKind.RECOMPUTE)
+    return schedule
+
+
+def test_plot_draws_a_recompute_at_least_the_minimum_width_in_the_legend() -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+
+    from swapopt_core._cli.plot import MIN_RECOMPUTE_WIDTH, draw_timeline
+
+    trace = recompute_trace().with_limit(13 * MIB)
+    ops = list(trace.ops)
+    ops[1] = dataclasses.replace(ops[1], duration_ms=0.001)  # a recompute of 1 µs in 3.3 ms
+    figure, result = draw_timeline(
+        dataclasses.replace(trace, ops=tuple(ops)), _recompute_schedule()
+    )
+    memory, lanes = figure.axes
+    bars = [patch for patch in lanes.patches if patch.get_gid() == "recompute"]
+    assert len(bars) == len(result.recomputed) == 1
+    span = result.recomputed[0]
+    assert span.end_ms - span.start_ms < MIN_RECOMPUTE_WIDTH * result.total_ms  # hair-thin
+    low, high = lanes.get_xlim()
+    assert bars[0].get_width() >= MIN_RECOMPUTE_WIDTH * (high - low) * (1 - 1e-9)  # float noise
+    assert bars[0].get_x() <= span.start_ms and span.end_ms <= bars[0].get_x() + bars[0].get_width()
+    assert bars[0].get_hatch() and to_hex(bars[0].get_facecolor()) == "#9467bd"  # not op grey
+    legend = [text.get_text() for text in memory.get_legend().get_texts()]
+    assert any(text.startswith("recompute") for text in legend)
+    assert not [a for a in memory.get_children() if a.get_gid() in ("infeasible", "floor")]
+
+
+@pytest.mark.parametrize(
+    ("budget", "schedule", "words"),
+    [
+        (4, None, "No plan fits: the budget of 4.00 MiB\nis below the floor of 9.00 MiB."),
+        (13, ResidencySchedule(), "The plan peaks at 16.00 MiB,\nover the budget of 13.00 MiB"),
+    ],
+)
+def test_plot_marks_a_budget_no_plan_keeps(
+    budget: int, schedule: ResidencySchedule | None, words: str
+) -> None:
+    pytest.importorskip("matplotlib")
+    from swapopt_core._cli.plot import draw_timeline
+
+    figure, _ = draw_timeline(recompute_trace().with_limit(budget * MIB), schedule)
+    memory = figure.axes[0]
+    marked = {artist.get_gid(): artist for artist in memory.get_children() if artist.get_gid()}
+    assert words in marked["infeasible"].get_text()
+    assert marked["budget"].get_linestyle() == ":"  # dotted, not the feasible dashes
+    assert marked["floor"].get_ydata()[0] == 9.0  # MiB
+    legend = [text.get_text() for text in memory.get_legend().get_texts()]
+    assert "floor, the least any plan needs (9.0 MiB)" in legend
+
+
+def test_plot_command_says_an_infeasible_budget_is_marked(
+    recompute_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "timeline.png"
+    argv = ["plot", "--trace", str(recompute_file), "--budget-mb", "4", "--out", str(out)]
+    assert main(argv) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "Over budget, marked on the plot: no plan fits under the 4.00 MiB asked" in printed
+    assert "Pass --budget-mb 9 or more." in printed
+    _assert_png(out)

@@ -25,14 +25,16 @@ Each page runs in its own fresh temporary folder (the working directory, also fi
   any text. Numbers that must be exact are asserted in a ``run`` block, or written by
   ``docs/regenerate.py`` and compared by its ``--check``.
 - ``ci``: not run here; ``test_pages.test_ci_blocks`` compares them with ``.ci/run``.
-- After the last block, the page's verifier (``registry.verify``), if it has one, asserts on the
-  namespace what the page claims happened.
+- After the last block, the page's verifier (``registry.verify``), if it has one, asserts what
+  the page claims happened, on its namespaces (a ``ChainMap``, the latest first: a ``fresh``
+  block does not hide what earlier blocks made).
 - ``needs=cuda`` (or ``needs=ascend``): skipped without that device, with the output block after
   it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import os
@@ -94,6 +96,7 @@ class _Page:
         self.page = page
         self.folder = folder
         self.namespace: dict[str, Any] = {}
+        self.earlier: list[dict[str, Any]] = [self.namespace]  # every namespace, latest first
         self.output: str | None = None
         self.source: Block | None = None
 
@@ -102,6 +105,7 @@ class _Page:
         assert marker is not None
         if marker.fresh:
             self.namespace = {}
+            self.earlier.insert(0, self.namespace)
         if marker.setup is not None:
             if marker.setup not in SETUPS:
                 raise KeyError(f"{block.where}: no doc setup {marker.setup!r} ({sorted(SETUPS)})")
@@ -239,7 +243,7 @@ def run_page(page: str, folder: Path) -> list[str]:
                     block
                 )
             if page in VERIFIERS:
-                VERIFIERS[page](state.namespace)
+                VERIFIERS[page](collections.ChainMap(*state.earlier))
     finally:
         os.chdir(before)
         sys.path.remove(str(folder))

@@ -20,13 +20,13 @@ framework pages) register through the decorators below, so neither edits the oth
     def mypage_did_it(ns: dict[str, Any]) -> None:
         assert swap_stats(ns["opt"]).swapped_tensors > 0
 
-A verifier runs after the page's last block, on its last namespace: what the page claims
+A verifier runs after the page's last block, on its namespaces (latest first): what the page claims
 happened (something swapped, a budget that binds) is asserted there, out of the reader's way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ Setup = Callable[[dict[str, Any], Path], None]
 Check = Callable[[Path], None]
 
 #: ``verify(namespace)``: asserts what a page's run must have done.
-Verify = Callable[[dict[str, Any]], None]
+Verify = Callable[[MutableMapping[str, Any]], None]
 
 SETUPS: dict[str, Setup] = {}
 CHECKS: dict[str, Check] = {}

@@ -6,6 +6,7 @@ seconds on two CPU cores; see ``tests/docs/registry.py``.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -56,7 +57,34 @@ def model_and_loader(ns: dict[str, Any], folder: Path) -> None:
 
 
 @verify("README.md")
-def readme_swapped(ns: dict[str, Any]) -> None:
+def readme_swapped(ns: MutableMapping[str, Any]) -> None:
     """The quick start's optimizer really was swapped and its state moved."""
     stats = ns["swap_stats"](ns["opt"])
     assert stats.swapped_tensors > 0 and stats.h2d_bytes > 0, stats
+
+
+@setup("model")
+def model(ns: dict[str, Any], folder: Path) -> None:
+    """``torch`` and a ``model`` (a ``MyModel``), as a page's text assumes them."""
+    torch.manual_seed(0)
+    ns["torch"] = torch
+    ns["model"] = MyModel()
+
+
+@setup("activation_model")
+def activation_model(ns: dict[str, Any], folder: Path) -> None:
+    """``model``, ``optimizer`` and a ``loader`` whose step holds about 140 MiB of activations
+    at its peak on the CPU (a long batch of narrow rows: much memory, little compute), so the
+    page's 64 MiB budget binds."""
+    torch.manual_seed(0)
+    ns["model"] = model = MyModel(width=64, depth=4)
+    ns["optimizer"] = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ns["loader"] = make_loader(steps=3, batch=1 << 16)
+
+
+@verify("docs/activation_offload.md")
+def activation_budget_binds(ns: MutableMapping[str, Any]) -> None:
+    """The example's budget binds: activations were moved, and replays kept the budget."""
+    stats = ns["session"].stats()
+    assert stats.d2h_bytes > 0 and stats.replays > 0, stats
+    assert stats.last_peak_resident_activation_bytes <= stats.budget_bytes, stats

@@ -27,7 +27,8 @@ Each page runs in its own fresh temporary folder (the working directory, also fi
 - ``ci``: not run here; ``test_pages.test_ci_blocks`` compares them with ``.ci/run``.
 - After the last block, the page's verifier (``registry.verify``), if it has one, asserts what
   the page claims happened, on its namespaces (a ``ChainMap``, the latest first: a ``fresh``
-  block does not hide what earlier blocks made).
+  block does not hide what earlier blocks made; ``ns["doc_outputs"]`` maps each ``run`` and
+  ``shell`` block's opening line to what it printed).
 - ``needs=cuda`` (or ``needs=ascend``): skipped without that device, with the output block after
   it.
 """
@@ -41,6 +42,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -99,6 +101,7 @@ class _Page:
         self.earlier: list[dict[str, Any]] = [self.namespace]  # every namespace, latest first
         self.output: str | None = None
         self.source: Block | None = None
+        self.outputs: dict[int, str] = {}  # what each block printed, by its fence's line
 
     def run(self, block: Block) -> None:
         marker = block.marker
@@ -125,7 +128,7 @@ class _Page:
             if marker.status:
                 raise AssertionError(f"{block.where}: the block should raise, and did not")
         print(buffer.getvalue(), end="")  # pytest shows it when the page fails
-        self.output = buffer.getvalue()
+        self.output = self.outputs[block.line] = buffer.getvalue()
 
     def write(self, block: Block) -> None:
         marker = block.marker
@@ -143,7 +146,7 @@ class _Page:
         marker = block.marker
         assert marker is not None
         if block.lang != "console":
-            self.output = self._bash(block, block.text, marker.status)
+            self.output = self.outputs[block.line] = self._bash(block, block.text, marker.status)
             return
         for command, expected in _console(block.text):
             actual = self._bash(block, command, marker.status)
@@ -239,11 +242,15 @@ def run_page(page: str, folder: Path) -> list[str]:
                     skipped.append(f"{block.where} (needs {_skipped(block)})")
                     continue
                 state.source = block
+                started = time.perf_counter()
                 getattr(state, {"run": "run", "file": "write", "shell": "shell"}[marker.kind])(
                     block
                 )
+                print(f"[{block.where}: {time.perf_counter() - started:.1f} s]")
             if page in VERIFIERS:
-                VERIFIERS[page](collections.ChainMap(*state.earlier))
+                VERIFIERS[page](
+                    collections.ChainMap(*state.earlier, {"doc_outputs": state.outputs})
+                )
     finally:
         os.chdir(before)
         sys.path.remove(str(folder))

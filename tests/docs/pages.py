@@ -16,6 +16,11 @@ from tests.docs import setups, setups_frameworks  # noqa: F401  (registers the s
 __all__ = ["CORE_PAGES", "PAGES"]
 
 #: The core pages, in the order they run.
-CORE_PAGES: tuple[str, ...] = ("README.md", "docs/optimizer_swap.md", "docs/activation_offload.md")
+CORE_PAGES: tuple[str, ...] = (
+    "README.md",
+    "docs/optimizer_swap.md",
+    "docs/activation_offload.md",
+    "docs/device_budget.md",
+)
 
 PAGES: tuple[str, ...] = CORE_PAGES + setups_frameworks.PAGES

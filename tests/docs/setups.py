@@ -6,6 +6,7 @@ seconds on two CPU cores; see ``tests/docs/registry.py``.
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import MutableMapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -88,3 +89,27 @@ def activation_budget_binds(ns: MutableMapping[str, Any]) -> None:
     stats = ns["session"].stats()
     assert stats.d2h_bytes > 0 and stats.replays > 0, stats
     assert stats.last_peak_resident_activation_bytes <= stats.budget_bytes, stats
+
+
+@check("mindformers_section")
+def mindformers_section(path: Path) -> None:
+    """A MindFormers YAML whose ``swap_optimizer:`` section swapopt reads without an error."""
+    import yaml
+
+    from swapopt_core.mindformers_yaml import SwapOptimizerSection
+
+    section = SwapOptimizerSection.from_yaml(yaml.safe_load(path.read_text())["swap_optimizer"])
+    section.to_config()
+
+
+@verify("docs/device_budget.md")
+def device_budget_binds(ns: MutableMapping[str, Any]) -> None:
+    """Your own loop's and the Accelerate example's budgets bind (activations were moved), and
+    `swapopt run` swapped the unchanged script's optimizer."""
+    assert isinstance(ns, ChainMap)
+    own_loop, accelerate = ns.maps[-2]["session"], ns.maps[0]["session"]  # [-1]: doc_outputs
+    for session in (own_loop, accelerate):
+        stats = session.stats()
+        assert stats.d2h_bytes > 0 and stats.replays > 0, stats
+    (run,) = [out for out in ns["doc_outputs"].values() if "integrations on: " in out]
+    assert "lightning" in run and "no optimizer was swapped" not in run, run

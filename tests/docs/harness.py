@@ -17,13 +17,17 @@ Each page runs in its own fresh temporary folder (the working directory, also fi
   checkout). It must exit with ``status`` (0 unless given). Its output is stdout and stderr
   together, as a terminal shows them. A ``console`` block marked ``shell`` holds the commands
   (lines starting ``$ ``, a trailing ``\\`` continues one) and, under each, its output, which is
-  checked like an ``output`` block.
-- ``output``: what the block before printed. Checked line by line after masking every number
-  on both sides (a run of digits, with a fraction or exponent, reads as ``0``: figures move
-  with the machine, the words around them must not); trailing spaces and blank lines at the
-  ends are ignored; ``...`` alone on a line matches any number of lines, ``...`` within a line
-  any text. Numbers that must be exact are asserted in a ``run`` block, or written by
-  ``docs/regenerate.py`` and compared by its ``--check``.
+  checked like an ``output`` block. A command that is one ``swapopt`` call other than
+  ``swapopt run`` runs in process, through the console script's own function
+  (``swapopt_core._cli.main:main``, with the same variables and folder), which saves an
+  interpreter start (seconds here) per call; ``swapopt run`` and everything else go through
+  bash.
+- ``output``: what the block before printed. Compared after masking every number on both sides
+  (a run of digits, with a fraction or exponent, reads as ``0``: figures move with the machine,
+  the words around them must not) and removing all whitespace (a page wraps long messages, a
+  table's width follows the terminal); ``...`` matches any text, lines included. Numbers that
+  must be exact are asserted by a verifier or checker, or written by ``docs/regenerate.py``
+  and compared by its ``--check``.
 - ``ci``: not run here; ``test_pages.test_ci_blocks`` compares them with ``.ci/run``.
 - After the last block, the page's verifier (``registry.verify``), if it has one, asserts what
   the page claims happened, on its namespaces (a ``ChainMap``, the latest first: a ``fresh``
@@ -40,6 +44,7 @@ import contextlib
 import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -66,20 +71,14 @@ def page_blocks(page: str) -> list[Block]:
     return read_blocks(REPO / page, page)
 
 
-def _mask(text: str) -> list[str]:
-    return [_NUMBER.sub("0", line.rstrip()) for line in text.strip("\n").splitlines()]
+def _mask(text: str) -> str:
+    return "".join(_NUMBER.sub("0", text).split())
 
 
 def match_output(expected: str, actual: str) -> bool:
     """Whether ``actual`` output fits the ``expected`` text shown on a page (rules above)."""
-    parts = []
-    for line in _mask(expected):
-        if line.strip() == "...":
-            parts.append(r"(?:[^\n]*\n)*?")
-        else:
-            parts.append(".*".join(re.escape(piece) for piece in line.split("...")) + r"\n")
-    actual_text = "".join(line + "\n" for line in _mask(actual))
-    return re.fullmatch("".join(parts), actual_text, re.DOTALL) is not None
+    pattern = ".*".join(re.escape(piece) for piece in _mask(expected).split("..."))
+    return re.fullmatch(pattern, _mask(actual), re.DOTALL) is not None
 
 
 def _skipped(block: Block) -> str | None:
@@ -158,6 +157,9 @@ class _Page:
         self.output = None
 
     def _bash(self, block: Block, script: str, status: int) -> str:
+        argv = _swapopt_call(script)
+        if argv is not None:
+            return self._in_process(block, argv, status)
         env = dict(os.environ, **SHELL_ENV)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["PYTHONPATH"] = os.pathsep.join(
@@ -181,6 +183,31 @@ class _Page:
             )
         return done.stdout
 
+    def _in_process(self, block: Block, argv: list[str], status: int) -> str:
+        from swapopt_core._cli.main import main
+
+        buffer = io.StringIO()
+        saved = {name: os.environ.get(name) for name in SHELL_ENV}
+        os.environ.update(SHELL_ENV)
+        try:
+            with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+                try:
+                    code = main(argv)
+                except SystemExit as exit:
+                    code = exit.code if isinstance(exit.code, int) else 1
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        print(f"$ swapopt {shlex.join(argv)}\n{buffer.getvalue()}")
+        if code != status:
+            raise AssertionError(
+                f"{block.where}: exited {code}, the page expects {status}:\n{buffer.getvalue()}"
+            )
+        return buffer.getvalue()
+
     def compare(self, block: Block) -> None:
         if self.output is None or self.source is None:
             raise AssertionError(f"{block.where}: an output block follows no block that prints")
@@ -189,6 +216,19 @@ class _Page:
                 f"{block.where}: {self.source.where} printed\n{self.output}\nnot what the "
                 f"page shows (numbers masked, ... matches anything):\n{block.text}"
             )
+
+
+def _swapopt_call(script: str) -> list[str] | None:
+    """The arguments of ``script`` if it is one ``swapopt`` call (not ``swapopt run``)."""
+    if any(mark in script for mark in ("|", ";", "&", ">", "<", "$", "`")):
+        return None
+    try:
+        words = shlex.split(script.replace("\\\n", " "))
+    except ValueError:
+        return None
+    if len(words) < 2 or words[0] != "swapopt" or words[1] == "run":
+        return None
+    return words[1:]
 
 
 def _console(text: str) -> list[tuple[str, str]]:

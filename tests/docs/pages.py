@@ -21,6 +21,8 @@ CORE_PAGES: tuple[str, ...] = (
     "docs/optimizer_swap.md",
     "docs/activation_offload.md",
     "docs/device_budget.md",
+    "docs/estimate.md",
+    "docs/formats.md",
 )
 
 PAGES: tuple[str, ...] = CORE_PAGES + setups_frameworks.PAGES

@@ -80,7 +80,7 @@ def activation_model(ns: dict[str, Any], folder: Path) -> None:
     torch.manual_seed(0)
     ns["model"] = model = MyModel(width=64, depth=4)
     ns["optimizer"] = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ns["loader"] = make_loader(steps=3, batch=1 << 16)
+    ns["loader"] = make_loader(steps=2, batch=1 << 16)
 
 
 @verify("docs/activation_offload.md")
@@ -113,3 +113,81 @@ def device_budget_binds(ns: MutableMapping[str, Any]) -> None:
         assert stats.d2h_bytes > 0 and stats.replays > 0, stats
     (run,) = [out for out in ns["doc_outputs"].values() if "integrations on: " in out]
     assert "lightning" in run and "no optimizer was swapped" not in run, run
+
+
+@check("profile")
+def profile(path: Path) -> None:
+    """A device profile file ``swapopt estimate --profile`` accepts."""
+    from swapopt_core._estimate.profiles import load_profile
+
+    load_profile(str(path))
+
+
+@check("estimate_json")
+def estimate_json(path: Path) -> None:
+    """The keys a page shows for ``--json`` are those of the ``estimate.json`` an earlier block
+    of the page wrote into its folder (values shown as ``...`` are not compared)."""
+    import json
+    import re
+
+    real = json.loads((path.parent / "estimate.json").read_text())
+    keys = {*real, *real["plain"], *real["plan"]}
+    shown = set(re.findall(r'"(\w+)":', path.read_text()))
+    assert shown == keys, (
+        f"shown but not written: {shown - keys}; written, not shown: {keys - shown}"
+    )
+
+
+@setup("recorded_session")
+def recorded_session(ns: dict[str, Any], folder: Path) -> None:
+    """A ``session`` that recorded and replayed two steps of ``activation_model``'s loop under
+    a budget that binds (the page writes its ``trace``)."""
+    from swapopt_core import OffloadConfig, OffloadSession
+
+    activation_model(ns, folder)
+    model, optimizer = ns["model"], ns["optimizer"]
+    ns["session"] = session = OffloadSession(OffloadConfig(max_resident_activation_mb=64))
+    for batch in ns["loader"][:2]:
+        with session:
+            model(batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert session.stats().d2h_bytes > 0
+
+
+@check("trace")
+def trace(path: Path) -> None:
+    """An activation trace ``ActivationTrace.from_json`` reads."""
+    from swapopt_core import ActivationTrace
+
+    ActivationTrace.from_json(path.read_text())
+
+
+def _simulate_worked(path: Path, *, recompute: bool) -> Any:
+    import json
+
+    from swapopt_core import ActivationTrace, ResidencySchedule
+    from swapopt_core._planning.simulate import simulate
+
+    doc = json.loads((path.parent / "worked_trace.json").read_text())
+    if recompute:
+        doc["ops"][0]["recompute"] = True
+    return simulate(
+        ActivationTrace.from_json(json.dumps(doc)), ResidencySchedule.from_json(path.read_text())
+    )
+
+
+@check("worked_plan")
+def worked_plan(path: Path) -> None:
+    """formats.md's worked schedule simulates as its text says: 1.27 ms against 0.75 ms of
+    compute, the 8 MiB peak of the step without it."""
+    result = _simulate_worked(path, recompute=False)
+    assert round(result.total_ms, 2) == 1.27 and result.compute_ms == 0.75, result
+    assert round(100 * result.overhead) == 70 and result.peak_bytes == 8 << 20, result
+
+
+@check("worked_recompute")
+def worked_recompute(path: Path) -> None:
+    """The recompute variant: the ReLU ends at 1.25 ms and one recompute is counted."""
+    result = _simulate_worked(path, recompute=True)
+    assert round(result.total_ms, 2) == 1.25 and result.recomputes == 1, result

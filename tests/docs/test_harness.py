@@ -45,6 +45,7 @@ def test_output_matching() -> None:
     assert match_output("a\n...\nz", "a\nz")
     assert match_output("took ... s", "took 1.5 s")
     assert not match_output("a\nz", "a\nb\nz")
+    assert match_output("a long message\nwrapped", "a long   message wrapped\n")
 
 
 def test_console() -> None:

@@ -23,6 +23,8 @@ CORE_PAGES: tuple[str, ...] = (
     "docs/device_budget.md",
     "docs/estimate.md",
     "docs/formats.md",
+    "docs/performance.md",
+    "docs/plugins.md",
 )
 
 PAGES: tuple[str, ...] = CORE_PAGES + setups_frameworks.PAGES

@@ -191,3 +191,20 @@ def worked_recompute(path: Path) -> None:
     """The recompute variant: the ReLU ends at 1.25 ms and one recompute is counted."""
     result = _simulate_worked(path, recompute=True)
     assert round(result.total_ms, 2) == 1.25 and result.recomputes == 1, result
+
+
+@check("toml")
+def toml(path: Path) -> None:
+    """A TOML file declaring at least one plugin in the ``swapopt`` entry-point group."""
+    import tomllib
+
+    group = tomllib.loads(path.read_text())["project"]["entry-points"]["swapopt"]
+    assert group and all(":" not in value or value.count(":") == 1 for value in group.values())
+
+
+@verify("docs/performance.md")
+def benchmarks_passed(ns: MutableMapping[str, Any]) -> None:
+    """The quick benchmark run reports bit-exact swapped runs; the GPU check's smoke is ok."""
+    outputs = list(ns["doc_outputs"].values())
+    assert any("wall time" in out for out in outputs), outputs
+    assert any('"ok": true' in out for out in outputs), outputs

@@ -18,10 +18,11 @@ ALL_PAGES = ("README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob
 
 @pytest.mark.parametrize("page", PAGES)
 def test_page(page: str, tmp_path: Path) -> None:
-    """Every block of the page runs on CPU and prints what the page shows."""
+    """Every block of the page runs on CPU and prints what the page shows (blocks marked
+    ``needs=cuda`` only where CUDA is)."""
     skipped = run_page(page, tmp_path)
-    if skipped:
-        pytest.skip(f"ran all but {', '.join(skipped)}")
+    if skipped:  # the page passes on what can run here; -rP shows what could not
+        print(f"not run here: {', '.join(skipped)}")
 
 
 def test_every_block_is_marked() -> None:

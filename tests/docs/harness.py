@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
+import logging
 import os
 import re
 import shlex
@@ -188,6 +189,8 @@ class _Page:
 
         buffer = io.StringIO()
         saved = {name: os.environ.get(name) for name in SHELL_ENV}
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level  # main() may call basicConfig
         os.environ.update(SHELL_ENV)
         try:
             with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
@@ -196,6 +199,7 @@ class _Page:
                 except SystemExit as exit:
                     code = exit.code if isinstance(exit.code, int) else 1
         finally:
+            root.handlers[:], root.level = handlers, level
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,30 @@ def test_output_matching() -> None:
 def test_console() -> None:
     text = "$ swapopt plan --a \\\n    --b\nline 1\n$ ls\n"
     assert _console(text) == [("swapopt plan --a \\\n    --b\n", "line 1"), ("ls\n", "")]
+
+
+def test_cpu_switch_swaps_on_cpu_only_while_on() -> None:
+    import torch
+
+    from swapopt_core import (
+        SwapOptimizerConfig,
+        is_swap_optimizer,
+        swap_optimizer,
+        swap_stats,
+        unswap_optimizer,
+    )
+    from tests.docs.cpu_switch import cpu_switch
+
+    model = torch.nn.Linear(64, 64)
+    with cpu_switch():
+        opt = torch.optim.AdamW(model.parameters())
+        swap_optimizer(opt, SwapOptimizerConfig(swap_times=2))
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        assert swap_stats(opt).swapped_tensors > 0
+        unswap_optimizer(opt)
+    plain = torch.optim.AdamW(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "auto" found no accelerator: nothing is swapped
+        swap_optimizer(plain, SwapOptimizerConfig(swap_times=2))
+    assert not is_swap_optimizer(plain)

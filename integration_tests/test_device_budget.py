@@ -1,5 +1,6 @@
 """One device budget through every way in: Lightning, Transformers, Accelerate, ``swapopt run``
-and the examples of ``docs/device_budget.md``, on CPU with the loopback runtimes.
+on CPU with the loopback runtimes. The examples of ``docs/device_budget.md``, ``swapopt run``'s
+included, run in ``tests/docs``.
 
 The runs under a budget need ``OffloadSession(config, optimizer=opt)``, which plans the whole
 step; until the session takes an optimizer they are skipped. The settings' rules (exclusive
@@ -213,16 +214,6 @@ def test_accelerate_under_a_budget_equals_plain() -> None:
     assert_same(plain, train(SwapAccelerator(cpu=True, swap_plugin=plugin)))
 
 
-def test_swapopt_run_trains_an_unchanged_script_under_the_budget(tmp_path) -> None:
-    (line,) = [b for b in _blocks("bash") if "swapopt run train.py" in b]
-    variables = dict(re.findall(r"(SWAPOPT_\w+)=(\S+)", line))
-    assert variables["SWAPOPT_DEVICE_BUDGET_MB"] == str(BUDGET_MB)
-    done = _swapopt_run(tmp_path, **variables)
-    assert done.returncode == 0, done.stderr
-    assert "integrations on: " in done.stderr and "lightning" in done.stderr
-    assert "no optimizer was swapped" not in done.stderr
-
-
 # ---- the docs ---------------------------------------------------------------------------------
 
 
@@ -233,11 +224,3 @@ def _blocks(language: str) -> list[str]:
 def test_docs_open_with_the_users_sentence() -> None:
     first = DOC.read_text().split("\n\n")[1]
     assert first.startswith("Say how much memory the step may use")
-
-
-def test_docs_examples_run(tmp_path, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    blocks = _blocks("python")
-    assert len(blocks) == 5
-    for block in blocks:
-        exec(compile(block, str(DOC), "exec"), {"__name__": "__docs__"})

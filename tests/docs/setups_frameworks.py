@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from swapopt_core import OffloadStats
+from swapopt_core import OffloadStats, swap_stats
 from tests.docs.registry import check, setup, verify  # noqa: F401  (what this module uses)
 
 #: Framework pages (paths relative to the repository root) the doc tests cover.
-PAGES: tuple[str, ...] = ("docs/lightning.md",)
+PAGES: tuple[str, ...] = ("docs/lightning.md", "docs/accelerate.md")
 
 
 def assert_budget_binds(stats: OffloadStats, budget_mb: float) -> None:
@@ -34,3 +34,11 @@ def lightning_offloaded(ns: dict[str, Any]) -> None:
     assert sessions, "the activation example opened no session"
     for session in sessions:
         assert_budget_binds(session.stats(), 4)
+
+
+@verify("docs/accelerate.md")
+def accelerate_offloaded(ns: dict[str, Any]) -> None:
+    """The activation example swapped its optimizer and its 4 MiB budget bound."""
+    stats = swap_stats(ns["optimizer"].optimizer)
+    assert stats.steps == 3 and stats.d2h_bytes > 0, stats
+    assert_budget_binds(ns["accelerator"].offload_session().stats(), 4)

@@ -16,7 +16,11 @@ from swapopt_core import OffloadStats, swap_stats
 from tests.docs.registry import check, setup, verify  # noqa: F401  (what this module uses)
 
 #: Framework pages (paths relative to the repository root) the doc tests cover.
-PAGES: tuple[str, ...] = ("docs/lightning.md", "docs/accelerate.md")
+PAGES: tuple[str, ...] = (
+    "docs/lightning.md",
+    "docs/accelerate.md",
+    "docs/transformers.md",
+)
 
 
 def assert_budget_binds(stats: OffloadStats, budget_mb: float) -> None:
@@ -42,3 +46,12 @@ def accelerate_offloaded(ns: dict[str, Any]) -> None:
     stats = swap_stats(ns["optimizer"].optimizer)
     assert stats.steps == 3 and stats.d2h_bytes > 0, stats
     assert_budget_binds(ns["accelerator"].offload_session().stats(), 4)
+
+
+@verify("docs/transformers.md")
+def transformers_offloaded(ns: dict[str, Any]) -> None:
+    """The Trainer's optimizer was swapped for its 4 steps and the 1 MiB budget bound."""
+    callback = ns["swap"]
+    assert callback.stats and callback.stats[0].steps == 4, callback.stats
+    assert callback.stats[0].d2h_bytes > 0, callback.stats
+    assert_budget_binds(callback.offload_session.stats(), 1)

@@ -10,6 +10,7 @@ activation budget bound (something went to host memory and the peak kept under i
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ def assert_budget_binds(stats: OffloadStats, budget_mb: float) -> None:
 
 
 @verify("docs/lightning.md")
-def lightning_offloaded(ns: dict[str, Any]) -> None:
+def lightning_offloaded(ns: MutableMapping[str, Any]) -> None:
     """The activation example's 4 MiB budget bound in every session of its fit."""
     sessions = list(ns["swap"].offload_sessions.values())
     assert sessions, "the activation example opened no session"
@@ -46,7 +47,7 @@ def lightning_offloaded(ns: dict[str, Any]) -> None:
 
 
 @verify("docs/accelerate.md")
-def accelerate_offloaded(ns: dict[str, Any]) -> None:
+def accelerate_offloaded(ns: MutableMapping[str, Any]) -> None:
     """The activation example swapped its optimizer and its 4 MiB budget bound."""
     stats = swap_stats(ns["optimizer"].optimizer)
     assert stats.steps == 3 and stats.d2h_bytes > 0, stats
@@ -54,7 +55,7 @@ def accelerate_offloaded(ns: dict[str, Any]) -> None:
 
 
 @verify("docs/transformers.md")
-def transformers_offloaded(ns: dict[str, Any]) -> None:
+def transformers_offloaded(ns: MutableMapping[str, Any]) -> None:
     """The Trainer's optimizer was swapped for its 4 steps and the 1 MiB budget bound."""
     callback = ns["swap"]
     assert callback.stats and callback.stats[0].steps == 4, callback.stats
@@ -69,7 +70,7 @@ def mindformers_yaml(path: Path) -> None:
 
 
 @verify("docs/mindspore.md")
-def mindspore_saved(ns: dict[str, Any]) -> None:
+def mindspore_saved(ns: MutableMapping[str, Any]) -> None:
     """Both examples kept most of the state off the device: about 3 / swap_times of it."""
     cells = ns["stats"]  # the optimizer Cell example, swap_times=8: the printed 0.38
     assert cells.swapped_tensors == 18 and cells.steps == 10, cells

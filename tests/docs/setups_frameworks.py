@@ -10,6 +10,8 @@ activation budget bound (something went to host memory and the peak kept under i
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
@@ -37,9 +39,28 @@ def assert_budget_binds(stats: OffloadStats, budget_mb: float) -> None:
     assert 0 < stats.peak_resident_activation_bytes <= budget, stats
 
 
+def assert_nothing_unswapped(ns: MutableMapping[str, Any]) -> None:
+    """No block printed that its run swapped nothing (``swapopt run``'s warning at exit).
+
+    Reads ``ns["doc_outputs"]`` (what each block printed, by line) where the harness gives it.
+    """
+    for line, text in ns.get("doc_outputs", {}).items():
+        assert "no optimizer was swapped" not in text, f"the block at line {line}:\n{text}"
+
+
+def launcher_stats(ns: MutableMapping[str, Any]) -> dict[str, Any] | None:
+    """The counters the MindFormers callback logged at train end, if a block printed them."""
+    for text in ns.get("doc_outputs", {}).values():
+        found = re.search(r"swapopt stats at train end: (\{.*\})", text)
+        if found:
+            return dict(json.loads(found.group(1)))
+    return None
+
+
 @verify("docs/lightning.md")
 def lightning_offloaded(ns: MutableMapping[str, Any]) -> None:
     """The activation example's 4 MiB budget bound in every session of its fit."""
+    assert_nothing_unswapped(ns)
     sessions = list(ns["swap"].offload_sessions.values())
     assert sessions, "the activation example opened no session"
     for session in sessions:
@@ -49,6 +70,7 @@ def lightning_offloaded(ns: MutableMapping[str, Any]) -> None:
 @verify("docs/accelerate.md")
 def accelerate_offloaded(ns: MutableMapping[str, Any]) -> None:
     """The activation example swapped its optimizer and its 4 MiB budget bound."""
+    assert_nothing_unswapped(ns)
     stats = swap_stats(ns["optimizer"].optimizer)
     assert stats.steps == 3 and stats.d2h_bytes > 0, stats
     assert_budget_binds(ns["accelerator"].offload_session().stats(), 4)
@@ -57,6 +79,7 @@ def accelerate_offloaded(ns: MutableMapping[str, Any]) -> None:
 @verify("docs/transformers.md")
 def transformers_offloaded(ns: MutableMapping[str, Any]) -> None:
     """The Trainer's optimizer was swapped for its 4 steps and the 1 MiB budget bound."""
+    assert_nothing_unswapped(ns)
     callback = ns["swap"]
     assert callback.stats and callback.stats[0].steps == 4, callback.stats
     assert callback.stats[0].d2h_bytes > 0, callback.stats
@@ -79,3 +102,7 @@ def mindspore_saved(ns: MutableMapping[str, Any]) -> None:
     assert trained.swapped_tensors == 30 and trained.steps == 4, trained
     # The figures the page quotes from the launcher's log line (the same YAML, the same model).
     assert (trained.total_state_bytes, trained.peak_resident_state_bytes) == (67328, 26368), trained
+    logged = launcher_stats(ns)  # the launcher's own run, where the harness keeps its output
+    if logged is not None:
+        quoted = {"total_state_bytes": 67328, "peak_resident_state_bytes": 26368, "steps": 4}
+        assert {key: logged[key] for key in quoted} == quoted, logged

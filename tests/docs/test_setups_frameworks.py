@@ -10,7 +10,11 @@ from torch import nn
 
 from swapopt_core import OffloadConfig, OffloadSession, OffloadStats
 from tests.docs.registry import CHECKS
-from tests.docs.setups_frameworks import assert_budget_binds
+from tests.docs.setups_frameworks import (
+    assert_budget_binds,
+    assert_nothing_unswapped,
+    launcher_stats,
+)
 
 
 def _stats(budget_mb: float) -> OffloadStats:
@@ -44,3 +48,20 @@ def test_the_mindformers_yaml_check_rejects_a_bad_section(tmp_path: Path) -> Non
     CHECKS["mindformers_yaml"](good)
     with pytest.raises(ValueError, match="swap_optimizer.swap_times=0"):
         CHECKS["mindformers_yaml"](bad)
+
+
+def test_a_run_that_swapped_nothing_fails() -> None:
+    said = "swapopt run: SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu was set, but no optimizer was swapped"
+    assert_nothing_unswapped({"doc_outputs": {12: "1 process(es), last loss 0.5\n"}})
+    assert_nothing_unswapped({})  # a harness that keeps no outputs: nothing to read
+    with pytest.raises(AssertionError, match="line 12"):
+        assert_nothing_unswapped({"doc_outputs": {12: said}})
+
+
+def test_the_launchers_stats_line_is_read() -> None:
+    line = '... - INFO - swapopt stats at train end: {"steps": 4, "total_state_bytes": 67328}\n'
+    assert launcher_stats({"doc_outputs": {3: "other\n" + line}}) == {
+        "steps": 4,
+        "total_state_bytes": 67328,
+    }
+    assert launcher_stats({"doc_outputs": {3: "other\n"}}) is None

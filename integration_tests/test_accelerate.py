@@ -32,7 +32,6 @@ from swapopt_plugins.accelerate import SwapAccelerator, SwapOptimizerPlugin  # n
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("_accelerate_launch_script.py")
-DOC = REPO / "docs" / "accelerate.md"
 BATCHES = 12  # micro-batches per epoch
 
 
@@ -524,19 +523,3 @@ def test_two_process_launch(tmp_path: Path) -> None:
         assert swapped["swapped"] and swapped["steps"] == 4 and not plain["swapped"]
         _assert_equal(swapped["params"], plain["params"])
     _assert_equal(results["cpu"][0]["params"], results["cpu"][1]["params"])
-
-
-def _doc_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-
-
-def test_doc_has_examples() -> None:
-    assert len(_doc_blocks()) >= 3
-
-
-@pytest.mark.parametrize("index", range(len(_doc_blocks()) if DOC.exists() else 0))
-def test_doc_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    code = _doc_blocks()[index]
-    with patch_environment(ACCELERATE_USE_CPU="true", SWAPOPT_RUNTIME="loopback"):
-        exec(compile(code, f"{DOC.name}[python block {index}]", "exec"), {"__name__": "__doc__"})

@@ -429,19 +429,6 @@ def test_invalid_env(tmp_path, monkeypatch, package, name, value, accepted) -> N
         M.trainer(tmp_path, package=package)
 
 
-# ---- the docs -----------------------------------------------------------------------------
-
-
-def test_docs_examples_run(tmp_path, monkeypatch) -> None:
-    text = (REPO / "docs" / "lightning.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__docs__"}  # later blocks build on earlier ones
-    for block in blocks:
-        exec(compile(block, "docs/lightning.md", "exec"), namespace)
-
-
 # ---- two processes (gloo) -------------------------------------------------------------------
 
 

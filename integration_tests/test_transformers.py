@@ -37,7 +37,6 @@ from swapopt_core.options import ENV_VARS  # noqa: E402
 from swapopt_plugins.transformers import SwapOptimizerCallback  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "transformers.md"
 LOOPBACK = SwapOptimizerConfig(runtime="loopback", min_numel=0, swap_times=3)
 ACTIVATIONS = OffloadConfig(max_resident_activation_mb=0.01, min_offload_kib=0, runtime="loopback")
 
@@ -203,15 +202,6 @@ def test_install_message_counts_the_swap_the_accelerate_patch_made(
     assert said[0].startswith(
         "swapopt: optimizer swap on 1 of 1 optimizers (0 swapped here, 1 swapped before and kept)"
     )
-
-
-def test_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Python block of docs/transformers.md, run as written (in a temporary folder)."""
-    (block,) = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    exec(compile(block, str(DOC), "exec"), namespace)
-    assert namespace["trainer"].state.global_step > 0
 
 
 def test_bad_config_names_the_argument() -> None:

@@ -94,6 +94,8 @@ _SWAP_FIELDS = (
 
 
 def _device(value: object) -> str:
+    if value is False:  # YAML reads an unquoted `no` / `off` as False: it means "none"
+        return "none"
     word = value.strip().lower() if isinstance(value, str) else None
     if word not in ("none", "cpu"):
         raise Invalid
@@ -101,7 +103,7 @@ def _device(value: object) -> str:
 
 
 _OWN = {
-    "offload_optimizer_device": Option(_device, "'none' or 'cpu'"),
+    "offload_optimizer_device": Option(_device, "'none' or 'cpu' (false means 'none')"),
     "activation_budget_mb": Option(
         parse_mib(allow_none=True),
         f"a number of MiB >= 0, or 'none' to switch activation offload off (below {2**43})",

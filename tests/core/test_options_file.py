@@ -99,6 +99,16 @@ def test_null_leaves_the_default_and_an_empty_file_holds_nothing(tmp_path: Path)
     assert _read(path).sources == {}
 
 
+def test_an_unquoted_yaml_no_means_none(tmp_path: Path) -> None:
+    """YAML reads ``offload_optimizer_device: no`` as False: it means ``none``, not an error."""
+    path = tmp_path / "swapopt.yaml"
+    path.write_text("offload_optimizer_device: no\nswap_times: 4\n")
+    settings = _read(path)
+    assert settings.values["offload_optimizer_device"] == "none" and not settings.enabled
+    path.write_text("offload_optimizer_device: yes\n")
+    assert "offload_optimizer_device=True is invalid" in _error(path)
+
+
 def test_every_field_is_read_from_the_file(tmp_path: Path) -> None:
     values = {
         "offload_optimizer_device": "cpu",

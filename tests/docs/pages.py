@@ -25,6 +25,8 @@ CORE_PAGES: tuple[str, ...] = (
     "docs/formats.md",
     "docs/performance.md",
     "docs/plugins.md",
+    "docs/configuration.md",
+    "docs/figures.md",
 )
 
 PAGES: tuple[str, ...] = CORE_PAGES + setups_frameworks.PAGES

@@ -202,6 +202,15 @@ def toml(path: Path) -> None:
     assert group and all(":" not in value or value.count(":") == 1 for value in group.values())
 
 
+@check("settings")
+def settings(path: Path) -> None:
+    """A ``SWAPOPT_CONFIG`` file ``read_settings`` accepts, which asks for the swap."""
+    from swapopt_core.options import read_settings
+
+    read = read_settings({}, owner="docs", environ={"SWAPOPT_CONFIG": str(path)})
+    assert read.enabled and read.sources, read
+
+
 @verify("docs/performance.md")
 def benchmarks_passed(ns: MutableMapping[str, Any]) -> None:
     """The quick benchmark run reports bit-exact swapped runs; the GPU check's smoke is ok."""

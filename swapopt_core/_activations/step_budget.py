@@ -310,6 +310,10 @@ class StepBudget:
         if start is None:
             ix = TraceIndex(trace)
             start = max(range(ix.n), key=ix.natural.__getitem__, default=0)
+        # The batch made before the window (on a GPU: moved to the device before it) is
+        # read by the step and held through it, but no trace storage: it counts apart.
+        held = _unique_storages(self._held())
+        outside = sum(n for key, n in self.executor.outside_inputs.items() if key not in held)
         inputs = StepInputs(
             budget_bytes=self.budget,
             params_bytes=self.params_bytes,
@@ -319,6 +323,7 @@ class StepBudget:
             backward_start_op=start,
             planner=self.executor.planner,
             grad_ready=ready,
+            inputs_bytes=outside,
         )
         self._inputs = inputs
         self._apply(plan_step(inputs))

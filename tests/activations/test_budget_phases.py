@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from swapopt_core import OffloadConfig, OffloadSession
+from swapopt_core._activations import recipe
 
 MIB = 2**20
 BATCH = 16384
@@ -74,3 +75,52 @@ def test_a_closure_forward_and_backward_is_no_part_of_the_update(window: str) ->
     # start, not forward's and backward's activations (about 60 MiB here).
     plan = session._budget.plan  # noqa: SLF001
     assert plan is not None and plan.update_extra_bytes < 4 * MIB, plan.update_extra_bytes
+
+
+def _own_loop(budget_mb: float, steps: int, *, batch_inside: bool) -> OffloadSession:
+    """docs/device_budget.md's own loop with a batch of 8 MiB, made before the window or
+    inside it."""
+    model = nn.Sequential(
+        nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 1)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = OffloadConfig(device_budget_mb=budget_mb, runtime="loopback")
+    session = OffloadSession(config, optimizer=opt)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        if not batch_inside:
+            x, y = torch.randn(BATCH, 128, generator=gen), torch.randn(BATCH, 1, generator=gen)
+        with session:
+            if batch_inside:
+                x = torch.randn(BATCH, 128, generator=gen)
+                y = torch.randn(BATCH, 1, generator=gen)
+            nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return session
+
+
+def test_the_plan_counts_the_batch_made_before_the_window() -> None:
+    # A budget that keeps every activation: the plan's peak is the step's natural one,
+    # the batch (8 MiB, read by the first op, held through the step) included.
+    stats = _own_loop(512, 3, batch_inside=False).stats()
+    assert stats.activation_budget_bytes is None
+    planned = stats.planned_step_peak_device_bytes
+    assert planned is not None
+    # NOTE: about 1 KiB of the step is still unplanned (a bias-sized storage).
+    assert stats.step_peak_device_bytes <= planned + 4096, (stats.step_peak_device_bytes, planned)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="The first replay checks each recomputed op's out= variant against its live "
+    "output (activations/recipe.py _out_variant) in a scratch tensor of the output's size "
+    "(16 MiB here): a transient the whole-step plan does not count.",
+)
+def test_the_first_replay_keeps_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check runs once per op and kind of call in a process: as in a fresh one here.
+    monkeypatch.setattr(recipe, "_VARIANTS", {})
+    stats = _own_loop(64, 3, batch_inside=True).stats()
+    assert stats.planned_step_peak_device_bytes is not None
+    assert stats.planned_step_peak_device_bytes <= 64 * MIB
+    assert stats.step_peak_device_bytes <= 64 * MIB, stats.step_peak_device_bytes / MIB

@@ -123,6 +123,9 @@ class Executor:
         #: ``(op, bytes)`` of the gradients the last recording warmup saw land (the
         #: whole-step planner's input).
         self.gradient_ready: list[tuple[int, int]] = []
+        #: Storages made before the last recording warmup that its ops read, key -> bytes
+        #: (``WarmupEntry.outside``: the whole-step planner counts those no optimizer holds).
+        self.outside_inputs: dict[int, int] = {}
 
     # ---- the plans -----------------------------------------------------------------------
 
@@ -304,6 +307,7 @@ class Executor:
         self._trim_pool()
         leaves = scope.gradients.leaves() if scope.started else []
         self.gradient_ready = list(scope.gradients.ready) if scope.started else []
+        self.outside_inputs = dict(warmup.outside) if scope.started else {}
         if leaves:
             self.leaves = leaves
         logger.info(

@@ -16,6 +16,8 @@ the runtime's whole-step meter: ``OffloadStats.step_peak_device_bytes``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -211,7 +213,38 @@ class StepBudget:
                 if isinstance(value, torch.Tensor):
                     yield value
 
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _before_step(
+        self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Step pre-hook: the update's phase starts here, or after the step's closure.
+
+        A closure (``opt.step(closure)``, as Lightning's automatic optimization calls it)
+        runs forward and backward inside ``step()``: those bytes are no part of the update,
+        so the step is handed a closure that starts the update's phase once it returned.
+        """
+        # ``args`` starts with the optimizer itself; the closure follows, or is a keyword.
+        positional = len(args) > 1
+        closure = args[1] if positional else kwargs.get("closure")
+        if closure is None:
+            self._update_begins()
+            return None
+        if getattr(closure, "step_budget", None) is self:
+            return None  # a nested step() call (super().step()): the outer one wrapped it
+
+        def closure_then_update() -> Any:
+            loss = closure()
+            self._update_begins()
+            return loss
+
+        if inspect.isfunction(closure):
+            # Keeps the marks other step hooks put on the closure (the per-parameter swap's).
+            functools.update_wrapper(closure_then_update, closure)
+        closure_then_update.step_budget = self  # type: ignore[attr-defined]
+        if positional:
+            return (args[0], closure_then_update, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_then_update}
+
+    def _update_begins(self) -> None:
         meter = self._meter
         if meter is not None:
             # Forward and backward end here: the update is metered as a phase of its own.
@@ -277,6 +310,10 @@ class StepBudget:
         if start is None:
             ix = TraceIndex(trace)
             start = max(range(ix.n), key=ix.natural.__getitem__, default=0)
+        # The batch made before the window (on a GPU: moved to the device before it) is
+        # read by the step and held through it, but no trace storage: it counts apart.
+        held = _unique_storages(self._held())
+        outside = sum(n for key, n in self.executor.outside_inputs.items() if key not in held)
         inputs = StepInputs(
             budget_bytes=self.budget,
             params_bytes=self.params_bytes,
@@ -286,6 +323,7 @@ class StepBudget:
             backward_start_op=start,
             planner=self.executor.planner,
             grad_ready=ready,
+            inputs_bytes=outside,
         )
         self._inputs = inputs
         self._apply(plan_step(inputs))

@@ -103,6 +103,9 @@ class WarmupEntry:
         self.closed = False
         self.ops: list[tuple[str, Any, Any, tuple[Access, ...], bool]] = []
         self.pinned: set[int] = set()  # storages the warmup saw shared outside torch
+        #: Device storages the ops read that were made before the entry (parameters, the
+        #: batch, gradients): storage key (``_cdata``) -> bytes.
+        self.outside: dict[int, int] = {}
         self.inference = InferenceWatch()  # marked ops whose inference-mode input changes
         self.deaths = _Deaths(self)  # when each recorded storage was freed
 
@@ -136,6 +139,8 @@ class WarmupEntry:
                 gradients.watch(value)
             entry = residency.by_storage.get(storage)
             if entry is None:
+                if self.recording and scope.runtime.serves(storage.device):
+                    self.outside[storage._cdata] = storage.nbytes()
                 continue
             touched.append((entry, storage, id(value) in writes))
             if id(value) in writes:

@@ -62,6 +62,9 @@ class StepInputs:
             (the op after which autograd stored it). Empty: all of ``grads_bytes`` counts
             from ``backward_start_op`` on (safe, and what a plan without the warmup's
             record assumes).
+        inputs_bytes: Device bytes the step reads that were made before it and are neither
+            parameters, gradients nor optimizer state (the batch moved to the device before
+            the session's window): held for the whole step, like the parameters.
     """
 
     budget_bytes: int
@@ -72,6 +75,7 @@ class StepInputs:
     backward_start_op: int
     planner: ResidencyPlanner
     grad_ready: tuple[tuple[int, int], ...] = ()
+    inputs_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -43,21 +43,22 @@ class _Candidate:
 def plan_step(inputs: StepInputs) -> StepPlan:
     """Choose the knobs of the fastest predicted step whose peak fits ``budget_bytes``.
 
-    The step's device bytes at any point are the parameters, the optimizer state that never
-    moves (``fixed_state_bytes`` and the resident fraction), the gradients landed so far,
-    the activations the plan keeps (in-flight copies included) and, from backward's first op
-    on, the prefetched batches; during the update, the gradients and ``staging_factor``
-    times the largest swapped batch instead of activations and prefetch. Time: forward and
-    backward as the activation plan simulates them, the prefetch's copies where they exceed
-    backward's idle link time, the update as ``update_model`` predicts it, and the update's
-    copies out where they meet forward's own.
+    The step's device bytes at any point are the parameters, the inputs made before the
+    step (``inputs_bytes``), the optimizer state that never moves (``fixed_state_bytes`` and
+    the resident fraction), the gradients landed so far, the activations the plan keeps
+    (in-flight copies included) and, from backward's first op on, the prefetched batches;
+    during the update, the gradients and ``staging_factor`` times the largest swapped batch
+    instead of activations and prefetch. Time: forward and backward as the activation plan
+    simulates them, the prefetch's copies where they exceed backward's idle link time, the
+    update as ``update_model`` predicts it, and the update's copies out where they meet
+    forward's own.
 
     Raises:
         BudgetTooSmall: No plan fits; the message gives the floor and what sets it.
     """
     opt = inputs.optimizer
     state = sum(opt.unit_bytes)
-    base = inputs.params_bytes + opt.fixed_state_bytes
+    base = inputs.params_bytes + opt.fixed_state_bytes + inputs.inputs_bytes
     acts = Activations(inputs, _screening_planner(inputs))
     natural = acts.natural
     assert natural is not None
@@ -235,14 +236,17 @@ def _floor(inputs: StepInputs, acts: Activations, base: int) -> tuple[int, str]:
     staging = int(opt.staging_factor * max(opt.unit_bytes, default=0))
     update = base + grads + staging
     forward = base + acts.floor
+    held = f"parameters {format_bytes(inputs.params_bytes)}"
+    if inputs.inputs_bytes:
+        held += f" + inputs made before the step {format_bytes(inputs.inputs_bytes)}"
     if update >= forward:
         return update, (
-            f"parameters {format_bytes(inputs.params_bytes)} + optimizer state that never "
+            f"{held} + optimizer state that never "
             f"moves {format_bytes(opt.fixed_state_bytes)} + gradients {format_bytes(grads)} "
             f"+ the update of the largest parameter's state {format_bytes(staging)}"
         )
     return forward, (
-        f"parameters {format_bytes(inputs.params_bytes)} + optimizer state that never moves "
+        f"{held} + optimizer state that never moves "
         f"{format_bytes(opt.fixed_state_bytes)} + activations: "
         f"{floor_reason(inputs.trace, index=acts.index)}"
     )

@@ -62,7 +62,8 @@ def test_swapopt_run_swaps_an_sgd_script_bit_for_bit(tmp_path: Path, kind: str) 
     assert "no optimizer was swapped" not in log, log[-3000:]
     assert "unswapped" not in log and "SWAPOPT_STRICT" not in log, log[-3000:]
     # The exit summary names the swapped SGD instead.
-    assert f"optimizer SGD (1 param group, 3 state tensors swapped, {STEPS} steps)" in log, log[-3000:]
+    summary = f"optimizer SGD (1 param group, 3 state tensors swapped, {STEPS} steps)"
+    assert summary in log, log[-3000:]
     assert swapped["swapped"] == [True] * STEPS
     stats = swapped["stats"]
     # Four parameters, the last bias (4 elements) under SWAPOPT_MIN_NUMEL: three swapped.

@@ -1,7 +1,8 @@
 """swapopt core: optimizer state and activations in host memory, brought back just in time."""
 
 from swapopt_core._activations.config import OffloadConfig
-from swapopt_core._activations.session import OffloadSession, OffloadStats, skip_offload
+from swapopt_core._activations.session import OffloadSession, skip_offload
+from swapopt_core._activations.session_stats import OffloadStats
 from swapopt_core._api import (
     is_swap_optimizer,
     offload_optimizer_state,

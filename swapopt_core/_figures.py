@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from swapopt_core._activations.session import OffloadStats
+    from swapopt_core._activations.session_stats import OffloadStats
     from swapopt_core._stats import SwapStats
 
 __all__ = [
@@ -84,7 +84,6 @@ def format_swap_stats(stats: SwapStats) -> str:
         24 tensors in 8 batches, runtime cuda" (one line)
     """
     total, peak = stats.total_state_bytes, stats.peak_resident_state_bytes
-    off = max(total - peak, 0)
     layout = "packed" if stats.packed else "per tensor"
     resident = (
         f", {stats.resident_state_fraction:.0%} resident for good"
@@ -92,12 +91,12 @@ def format_swap_stats(stats: SwapStats) -> str:
         else ""
     )
     return (
-        f"optimizer state kept off the device: {_percent(off, total)} of "
+        f"optimizer state kept off the device: {_percent(stats.kept_off_device_bytes, total)} of "
         f"{format_bytes(total)} (device peak {format_bytes(peak)}{resident}), "
         f"host {format_bytes(stats.host_state_bytes)} "
         f"(pinned {format_bytes(stats.pinned_host_bytes)}); per step "
-        f"{format_bytes(_per(stats.h2d_bytes, stats.steps))} in, "
-        f"{format_bytes(_per(stats.d2h_bytes, stats.steps))} out; {stats.steps} steps, "
+        f"{format_bytes(stats.h2d_bytes_per_step)} in, "
+        f"{format_bytes(stats.d2h_bytes_per_step)} out; {stats.steps} steps, "
         f"{stats.swapped_tensors} tensors in {stats.batches} batches ({layout}), "
         f"runtime {stats.runtime}"
     )
@@ -152,8 +151,8 @@ def swap_figures(stats: Sequence[SwapStats]) -> dict[str, float]:
         "swapopt/state_off_device_mib": max(total - peak, 0) / _MIB,
         "swapopt/state_device_peak_mib": peak / _MIB,
         "swapopt/state_host_mib": sum(s.host_state_bytes for s in stats) / _MIB,
-        "swapopt/h2d_mib_per_step": sum(_per(s.h2d_bytes, s.steps) for s in stats) / _MIB,
-        "swapopt/d2h_mib_per_step": sum(_per(s.d2h_bytes, s.steps) for s in stats) / _MIB,
+        "swapopt/h2d_mib_per_step": sum(s.h2d_bytes_per_step for s in stats) / _MIB,
+        "swapopt/d2h_mib_per_step": sum(s.d2h_bytes_per_step for s in stats) / _MIB,
         "swapopt/optimizer_steps": float(stats[0].steps),
     }
 

@@ -19,7 +19,7 @@ from swapopt_core import _record
 from swapopt_core._errors import SwapOptWarning
 
 if TYPE_CHECKING:
-    from swapopt_core._activations.session import OffloadStats
+    from swapopt_core._activations.session_stats import OffloadStats
     from swapopt_core._swap.engine import EngineBase
 
 __all__ = [

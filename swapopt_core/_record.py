@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from swapopt_core._activations.session import OffloadStats
+    from swapopt_core._activations.session_stats import OffloadStats
     from swapopt_core._stats import SwapStats
     from swapopt_core._swap.engine import EngineBase
 

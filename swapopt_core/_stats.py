@@ -54,6 +54,21 @@ class SwapStats:
     resident_state_fraction: float = 0.0
     prefetch_batches: int = 0
 
+    @property
+    def kept_off_device_bytes(self) -> int:
+        """Swappable state bytes the swap kept off the device: the total less its peak there."""
+        return max(self.total_state_bytes - self.peak_resident_state_bytes, 0)
+
+    @property
+    def h2d_bytes_per_step(self) -> float:
+        """Bytes copied host to device per swapped step, on average (0 before the first)."""
+        return self.h2d_bytes / self.steps if self.steps else 0.0
+
+    @property
+    def d2h_bytes_per_step(self) -> float:
+        """Bytes copied device to host per swapped step, on average (0 before the first)."""
+        return self.d2h_bytes / self.steps if self.steps else 0.0
+
     def format(self) -> str:
         """One line for people: what was kept off the device (MiB and share), host bytes,
         bytes moved per step each way, steps, runtime (``str()`` gives the same)."""

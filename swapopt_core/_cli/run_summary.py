@@ -14,7 +14,7 @@ from swapopt_core._figures import format_bytes
 from swapopt_core._record import SwapEntry
 
 if TYPE_CHECKING:
-    from swapopt_core._activations.session import OffloadStats
+    from swapopt_core._activations.session_stats import OffloadStats
     from swapopt_core.options import Settings
 
 __all__ = ["PREFIX", "asked_for", "integrations_line", "summary_lines"]
@@ -67,13 +67,8 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
 
-def _per_step(nbytes: int, steps: int) -> str:
-    return format_bytes(nbytes / steps)
-
-
 def _optimizer_line(entry: SwapEntry) -> str:
     stats = entry.stats
-    kept_off = stats.total_state_bytes - stats.peak_resident_state_bytes
     facts = [
         _plural(stats.swapped_tensors, "state tensor") + " swapped",
         _plural(stats.steps, "step"),
@@ -82,13 +77,13 @@ def _optimizer_line(entry: SwapEntry) -> str:
         facts.insert(0, _plural(entry.param_groups, "param group"))
     what = f"{entry.name} ({', '.join(facts)})"
     moved = (
-        f"per step {_per_step(stats.h2d_bytes, stats.steps)} in, "
-        f"{_per_step(stats.d2h_bytes, stats.steps)} out"
+        f"per step {format_bytes(stats.h2d_bytes_per_step)} in, "
+        f"{format_bytes(stats.d2h_bytes_per_step)} out"
         if stats.steps
         else "no swapped step"
     )
     return (
-        f"  optimizer {what}: {format_bytes(kept_off)} of "
+        f"  optimizer {what}: {format_bytes(stats.kept_off_device_bytes)} of "
         f"{format_bytes(stats.total_state_bytes)} state kept off the device (peak resident "
         f"{format_bytes(stats.peak_resident_state_bytes)}), "
         f"{format_bytes(stats.host_state_bytes)} in host memory, {moved}"
@@ -126,12 +121,11 @@ def summary_lines(swaps: Sequence[SwapEntry], sessions: Sequence[OffloadStats]) 
     lines += [_session_line(n, stats) for n, stats in enumerate(sessions[:MAX_LINES], 1)]
     if len(sessions) > MAX_LINES:
         lines.append(f"  ... and {_plural(len(sessions) - MAX_LINES, 'session')} more")
-    kept_off = sum(e.stats.total_state_bytes - e.stats.peak_resident_state_bytes for e in swaps)
+    kept_off = sum(e.stats.kept_off_device_bytes for e in swaps)
     host = sum(e.stats.host_state_bytes for e in swaps)
     host += sum(stats.host_peak_bytes for stats in sessions)
-    stepped = [e.stats for e in swaps if e.stats.steps]
-    h2d = sum(s.h2d_bytes / s.steps for s in stepped)
-    d2h = sum(s.d2h_bytes / s.steps for s in stepped)
+    h2d = sum(e.stats.h2d_bytes_per_step for e in swaps)
+    d2h = sum(e.stats.d2h_bytes_per_step for e in swaps)
     total = [f"{format_bytes(host)} in host memory"]
     if swaps:
         total.insert(0, f"{format_bytes(kept_off)} of optimizer state kept off the device")

@@ -40,7 +40,7 @@ from swapopt_core._activations.recording import check_marks
 from swapopt_core._activations.replay_entry import ReplayEntry
 from swapopt_core._activations.residency import HostPool
 from swapopt_core._activations.scope import Scope
-from swapopt_core._activations.warmup import WarmupEntry
+from swapopt_core._activations.warmup import OutsideReads, WarmupEntry
 from swapopt_core._device.interface import TorchRuntime
 from swapopt_core._device.loopback import LoopbackRuntime
 from swapopt_core._device.registry import RuntimeChoice, resolve_runtime, shared_runtime
@@ -123,9 +123,10 @@ class Executor:
         #: ``(op, bytes)`` of the gradients the last recording warmup saw land (the
         #: whole-step planner's input).
         self.gradient_ready: list[tuple[int, int]] = []
-        #: Storages made before the last recording warmup that its ops read, key -> bytes
-        #: (``WarmupEntry.outside``: the whole-step planner counts those no optimizer holds).
-        self.outside_inputs: dict[int, int] = {}
+        #: Storages made before the last recording warmup that its ops read, with their
+        #: bytes (``WarmupEntry.outside``: the whole-step planner counts those no optimizer
+        #: holds).
+        self.outside_inputs = OutsideReads()
 
     # ---- the plans -----------------------------------------------------------------------
 
@@ -307,7 +308,7 @@ class Executor:
         self._trim_pool()
         leaves = scope.gradients.leaves() if scope.started else []
         self.gradient_ready = list(scope.gradients.ready) if scope.started else []
-        self.outside_inputs = dict(warmup.outside) if scope.started else {}
+        self.outside_inputs = warmup.outside if scope.started else OutsideReads()
         if leaves:
             self.leaves = leaves
         logger.info(

@@ -27,6 +27,7 @@ and ``live_refusal`` applies them all to the live call when a replay keeps a rec
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -303,7 +304,13 @@ class InferenceWatch:
     """
 
     def __init__(self) -> None:
-        self.readers: dict[int, list[int]] = {}  # data pointer of an inference tensor -> ops
+        # An inference tensor's storage -> the marked ops that read it. Keyed by the storage
+        # itself, held weakly: a storage that dies is forgotten with its readers, and a new
+        # one is never taken for it (an address or ``data_ptr`` is reused, and a released
+        # storage has none).
+        self.readers: weakref.WeakKeyDictionary[torch.UntypedStorage, list[int]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.spoiled: set[int] = set()  # ops that may not be recomputed after all
 
     def note(self, index: int, inputs: object, written: list[torch.Tensor], marked: bool) -> None:
@@ -312,7 +319,7 @@ class InferenceWatch:
         if marked:
             for value in tree_leaves(inputs):
                 if isinstance(value, torch.Tensor) and value.is_inference():
-                    self.readers.setdefault(value.untyped_storage().data_ptr(), []).append(index)
+                    self.readers.setdefault(value.untyped_storage(), []).append(index)
         for tensor in written:
             if self.readers and tensor.is_inference():
-                self.spoiled.update(self.readers.pop(tensor.untyped_storage().data_ptr(), ()))
+                self.spoiled.update(self.readers.pop(tensor.untyped_storage(), ()))

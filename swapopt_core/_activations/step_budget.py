@@ -312,8 +312,8 @@ class StepBudget:
             start = max(range(ix.n), key=ix.natural.__getitem__, default=0)
         # The batch made before the window (on a GPU: moved to the device before it) is
         # read by the step and held through it, but no trace storage: it counts apart.
-        held = _unique_storages(self._held())
-        outside = sum(n for key, n in self.executor.outside_inputs.items() if key not in held)
+        held = {t.untyped_storage() for t in self._held() if t.device.type != "meta"}
+        outside = self.executor.outside_inputs.bytes_besides(held)
         inputs = StepInputs(
             budget_bytes=self.budget,
             params_bytes=self.params_bytes,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Seed", "WarmupEntry"]
+__all__ = ["OutsideReads", "Seed", "WarmupEntry"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,38 @@ class Seed:
         sizes = plan.trace.storage_sizes
         made = {a.storage_id for op in ops for a in op.accesses}
         return cls(ops, {sid: sizes[sid] for sid in made if sid in sizes}, plan.pinned & made)
+
+
+class OutsideReads:
+    """The storages made before an entry that its ops read, each noted once with its bytes.
+
+    A storage is known by the object itself, held weakly: its record outlives it (the step
+    read those bytes), and a new storage at a freed address is noted as the new one it is.
+    """
+
+    def __init__(self) -> None:
+        self._seen: weakref.WeakKeyDictionary[torch.UntypedStorage, int] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.records: list[tuple[weakref.ref[torch.UntypedStorage], int]] = []
+
+    def note(self, storage: torch.UntypedStorage) -> None:
+        """Note ``storage`` (and its bytes now) unless it was noted already."""
+        if storage in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen[storage] = nbytes
+        self.records.append((weakref.ref(storage), nbytes))
+
+    def bytes_besides(self, held: Collection[torch.UntypedStorage]) -> int:
+        """Bytes of the noted storages that are not in ``held`` (dead ones count: the
+        step read them)."""
+        total = 0
+        for ref, nbytes in self.records:
+            storage = ref()
+            if storage is None or storage not in held:
+                total += nbytes
+        return total
 
 
 class _Deaths:
@@ -104,8 +137,10 @@ class WarmupEntry:
         self.ops: list[tuple[str, Any, Any, tuple[Access, ...], bool]] = []
         self.pinned: set[int] = set()  # storages the warmup saw shared outside torch
         #: Device storages the ops read that were made before the entry (parameters, the
-        #: batch, gradients): storage key (``_cdata``) -> bytes.
-        self.outside: dict[int, int] = {}
+        #: batch, gradients), each once, with its bytes: held weakly, by the storage itself
+        #: (the batch may die before the plan is made, and a storage made later at its
+        #: address is another one).
+        self.outside = OutsideReads()
         self.inference = InferenceWatch()  # marked ops whose inference-mode input changes
         self.deaths = _Deaths(self)  # when each recorded storage was freed
 
@@ -140,7 +175,7 @@ class WarmupEntry:
             entry = residency.by_storage.get(storage)
             if entry is None:
                 if self.recording and scope.runtime.serves(storage.device):
-                    self.outside[storage._cdata] = storage.nbytes()
+                    self.outside.note(storage)
                 continue
             touched.append((entry, storage, id(value) in writes))
             if id(value) in writes:

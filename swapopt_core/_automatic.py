@@ -12,11 +12,12 @@ swapopt. ``SWAPOPT_STRICT=1`` turns the refusal back into the error. Every other
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from swapopt_core._api import is_swap_optimizer, swap_optimizer
 from swapopt_core._config import SwapOptimizerConfig
@@ -33,7 +34,12 @@ STRICT_ENV = "SWAPOPT_STRICT"
 
 # The optimizers left unswapped, so each is named once (weakly held: they may go away).
 _refused: weakref.WeakSet[object] = weakref.WeakSet()
-_refused_ids: set[int] = set()  # optimizers that take no weak reference
+# Those a WeakSet cannot hold (no hash: an ``__eq__`` without ``__hash__``; or no weak
+# reference), by id. An id alone would name a new optimizer that lands at a dead one's
+# address, so each id keeps what tells its own optimizer: a weak reference, which a lookup
+# checks is that very object and whose death removes the entry, or the optimizer itself
+# where it takes no weak reference.
+_refused_by_id: dict[int, Callable[[], object]] = {}
 
 
 def strict_mode(environ: Mapping[str, str] | None = None) -> bool:
@@ -52,10 +58,13 @@ def strict_mode(environ: Mapping[str, str] | None = None) -> bool:
 
 def refused(optimizer: object) -> bool:
     """Whether ``swap_automatically`` left ``optimizer`` unswapped as one it cannot serve."""
+    held = _refused_by_id.get(id(optimizer))
+    if held is not None and held() is optimizer:
+        return True
     try:
-        return optimizer in _refused
-    except TypeError:  # neither hashable nor weakly referable: known by its id
-        return id(optimizer) in _refused_ids
+        return optimizer in _refused  # False for an object without weak references
+    except TypeError:  # no hash: only ever in ``_refused_by_id``
+        return False
 
 
 def _first_time(optimizer: object) -> bool:
@@ -64,9 +73,24 @@ def _first_time(optimizer: object) -> bool:
         return False
     try:
         _refused.add(optimizer)
-    except TypeError:
-        _refused_ids.add(id(optimizer))
+    except TypeError:  # no hash, or no weak reference
+        _refused_by_id[id(optimizer)] = _holder(optimizer)
     return True
+
+
+def _holder(optimizer: object) -> Callable[[], object]:
+    """What ``_refused_by_id`` keeps for ``optimizer``: it returns ``optimizer`` while it lives."""
+    key = id(optimizer)
+    try:
+        return weakref.ref(optimizer, functools.partial(_forget, key))
+    except TypeError:  # no weak reference: held, so its id stays its own
+        return lambda: optimizer
+
+
+def _forget(key: int, ref: weakref.ref[object]) -> None:
+    """A refused optimizer known by its id died: drop its entry (unless a new one took it)."""
+    if _refused_by_id.get(key) is ref:
+        del _refused_by_id[key]
 
 
 def swap_automatically(optimizer: object, config: SwapOptimizerConfig) -> bool:

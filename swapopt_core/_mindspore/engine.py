@@ -54,6 +54,34 @@ class Unit:
         return sum(slot.nbytes for slot in self.slots)
 
 
+class SameCall:
+    """Which call a step was: its gradients, compared by identity and held.
+
+    A retry resumes an interrupted step only with the very gradients it failed with. Ids
+    alone would also match new gradients that landed at the addresses of dead ones (and
+    resume a step they never began), so the objects themselves are kept, for as long as the
+    transaction remembers the interrupted call.
+
+    Args:
+        objects: The gradients of the call, in order.
+    """
+
+    __slots__ = ("objects",)
+
+    def __init__(self, objects: Sequence[Any]) -> None:
+        self.objects = tuple(objects)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, SameCall)
+            and len(self.objects) == len(other.objects)
+            and all(a is b for a, b in zip(self.objects, other.objects, strict=True))
+        )
+
+    def __hash__(self) -> int:
+        return hash(tuple(map(id, self.objects)))  # held: the ids stay these objects'
+
+
 class MindSporeSwapEngine(EngineBase):
     """Keeps a MindSpore optimizer's swappable state in host memory; pipelines its update."""
 
@@ -320,7 +348,7 @@ class MindSporeStep:
         self.results = results
         self.units = units
         #: A retry with the same gradients resumes the step, without its preamble again.
-        self.identity = tuple(id(g) for g in gradients)
+        self.identity = SameCall(gradients)
         self.resident = engine.resident_states()
         self.devices = [str(p.device) for p in self.optimizer._parameters]  # waits once
 

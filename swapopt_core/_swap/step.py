@@ -43,7 +43,9 @@ class StepWork(Protocol):
     @property
     def identity(self) -> Hashable:
         """Which call a retry must repeat to resume an interrupted step (MindSpore: the
-        gradients' ids; torch: ``None``, its units carry their gradients in ``token``)."""
+        gradients themselves, compared by identity; torch: ``None``, its units carry their
+        gradients in ``token``). Kept while the step is interrupted: never bare ids, which a
+        new object could take once the old one died."""
 
     @property
     def units(self) -> Sequence[StepUnit]:

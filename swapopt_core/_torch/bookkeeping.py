@@ -55,8 +55,10 @@ class Unit:
 
     @property
     def token(self) -> tuple[Any, ...]:
-        """The gradient the update used and its version: a retry with it skips the unit."""
-        return (self.grad, self.grad._version)
+        """The parameter, the gradient the update used and its version: a retry with them
+        skips the unit. The parameter itself is in it: ``key`` is its id, which a new
+        parameter could take once it died, and a token kept under that key keeps it alive."""
+        return (self.param, self.grad, self.grad._version)
 
     @property
     def nbytes(self) -> int:
@@ -76,8 +78,11 @@ class StateBook:
         packed: Whether host memory is packed (the layout fills it in after ``sync``).
         before_bring_in: Called before swapped entries become resident: the host copies
             are read next, so the engine makes them final.
-        slots: The swapped entries by ``(id(param), key)``.
-        resident: Ids of the parameters whose swappable state stays on the device.
+        slots: The swapped entries by ``(id(param), key)`` (each slot holds its parameter,
+            so an id in a key stays its own).
+        resident: The parameters whose swappable state stays on the device, by id, with
+            the bytes of it; each entry holds its parameter, so that an id read between two
+            ``sync`` calls (``offload``, a checkpoint load) names no newer parameter.
         unit_bytes: Swappable state bytes of every parameter in ``param_groups`` order,
             resident ones included, as of the last ``sync``.
     """
@@ -89,7 +94,7 @@ class StateBook:
     packed: bool
     before_bring_in: Callable[[], None] = lambda: None
     slots: dict[SlotKey, Slot] = field(default_factory=dict)
-    resident: dict[int, int] = field(default_factory=dict)  # id(param) -> its bytes
+    resident: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
     unit_bytes: list[int] = field(default_factory=list)
 
     # ---- what is swapped -----------------------------------------------------------------
@@ -112,7 +117,12 @@ class StateBook:
 
     def swappable(self, param: torch.Tensor, value: object) -> bool:
         """Whether state entry ``value`` of ``param`` lives in host memory between steps."""
-        return id(param) not in self.resident and self.storable(param, value)
+        return not self.resident_bytes_of(param) and self.storable(param, value)
+
+    def resident_bytes_of(self, param: torch.Tensor) -> int:
+        """Bytes of ``param``'s swappable state kept on the device for good (0: none)."""
+        entry = self.resident.get(id(param))
+        return entry[1] if entry is not None and entry[0] is param else 0
 
     def storable(self, param: torch.Tensor, value: object) -> bool:
         """Whether state entry ``value`` of ``param`` could live in host memory (it does
@@ -267,7 +277,7 @@ class StateBook:
                         live.add((id(param), key))
                 ordered.extend(slots)
                 if grad is not None:
-                    units.append(Unit(index, param, grad, slots, self.resident.get(id(param), 0)))
+                    units.append(Unit(index, param, grad, slots, self.resident_bytes_of(param)))
         stale = self.slots.keys() - live
         if stale:
             # Their host memory is freed below: no copy of the last step may still use it.
@@ -299,7 +309,9 @@ class StateBook:
         count = resident_count(costs, fraction) if fraction > 0 else 0
         # A parameter without state yet is not resident: its state (created or loaded later)
         # starts in host memory, and comes in at the sync that finds it in the prefix.
-        self.resident = {id(p): c for p, c in zip(params, costs[:count], strict=False) if c > 0}
+        self.resident = {
+            id(p): (p, c) for p, c in zip(params, costs[:count], strict=False) if c > 0
+        }
         # Slots of resident parameters, and those ``min_numel`` no longer swaps, come in.
         leaving = [
             key
@@ -347,7 +359,7 @@ class StateBook:
     @property
     def resident_bytes(self) -> int:
         """Device bytes of the state kept resident for good."""
-        return sum(self.resident.values())
+        return sum(nbytes for _, nbytes in self.resident.values())
 
     def _init_state(
         self, group: MutableMapping[str, Any], param: torch.Tensor, keys: tuple[str, ...]

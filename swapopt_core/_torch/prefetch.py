@@ -32,10 +32,10 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.weak import WeakIdKeyDictionary
 
 from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._swap.pipeline import Pipeline
@@ -66,8 +66,8 @@ def _weak_hook(prefetch: BackwardPrefetch) -> Callable[[torch.Tensor], None]:
     return on_grad
 
 
-def _remove(handles: dict[int, Any]) -> None:
-    for handle in handles.values():
+def _remove(handles: WeakIdKeyDictionary) -> None:
+    for handle in list(handles.values()):
         handle.remove()
     handles.clear()
 
@@ -97,7 +97,10 @@ class BackwardPrefetch:
         self.pipeline: Pipeline | None = None
         self._hosts: list[torch.Tensor] = []  # the host memory the prefetch reads
         self._stamps: list[list[Stamp]] = []  # per prefetched batch, when it was queued
-        self._handles: dict[int, Any] = {}
+        # The hook of each watched parameter, keyed by the parameter itself, weakly and by
+        # identity: an entry goes with its parameter, so a new parameter that lands at a
+        # dead one's address is not taken for watched already.
+        self._handles = WeakIdKeyDictionary()
         self._hook = _weak_hook(self)
         # Not at exit: the parameters' hooks die with the process anyway.
         weakref.finalize(self, _remove, self._handles).atexit = False
@@ -107,8 +110,8 @@ class BackwardPrefetch:
     def watch(self, params: Sequence[torch.Tensor]) -> None:
         """Hook the parameters not hooked yet (new groups are watched at their first step)."""
         for param in params:
-            if id(param) not in self._handles and param.requires_grad:
-                self._handles[id(param)] = param.register_post_accumulate_grad_hook(self._hook)
+            if param not in self._handles and param.requires_grad:
+                self._handles[param] = param.register_post_accumulate_grad_hook(self._hook)
 
     def remember(self, batches: list[list[Slot]]) -> None:
         """The plan the next step is expected to follow."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -102,3 +103,29 @@ def test_other_errors_propagate() -> None:
             swap_automatically(adamw, config)
     finally:
         unswap_optimizer(opt)
+
+
+class _UnhashableLBFGS(torch.optim.LBFGS):
+    """An optimizer a WeakSet cannot hold: ``__eq__`` without ``__hash__``."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+def test_an_unhashable_refused_optimizer_is_not_confused_with_one_at_its_address() -> None:
+    first = _UnhashableLBFGS([torch.nn.Parameter(torch.zeros(8))])
+    assert len(_refusals(functools.partial(swap_automatically, first, LOOPBACK))) == 1
+    assert refused(first)
+    assert not _refusals(functools.partial(swap_automatically, first, LOOPBACK))  # named once
+    address = id(first)
+    del first
+    # CPython hands the freed address to the next object of its size: allocate bare
+    # objects until one lands there (all kept, so each try gets a new address).
+    tries = [_UnhashableLBFGS.__new__(_UnhashableLBFGS) for _ in range(1000)]
+    (second,) = [opt for opt in tries if id(opt) == address]
+    torch.optim.LBFGS.__init__(second, [torch.nn.Parameter(torch.zeros(8))])
+    assert not refused(second)
+    assert len(_refusals(lambda: swap_automatically(second, LOOPBACK))) == 1
+    assert refused(second)

@@ -1,5 +1,6 @@
 """Bit-exact training with a session, as a property: any model, budget, runtime and optimizer,
-with code that allocates between and inside the entries.
+with code that allocates between and inside the entries, gradient accumulation, clipping, a
+learning-rate schedule and a checkpoint round trip.
 
 A twin trains the same model on the same batches without swapopt. Every step's gradients (bits
 and layout) and, at the end, the parameters and the optimizer's state must be equal. The
@@ -59,6 +60,10 @@ class Scenario:
     between: tuple[tuple[int, ...], ...]  # per step: element counts allocated after the step
     inside: tuple[tuple[int, ...], ...]  # per step: allocated before forward / before backward
     keep_every: int  # every n-th allocation outlives its step (the rest are freed)
+    micro: int  # micro-batches accumulated per optimizer step, one entry each
+    clip: bool  # gradient norm clipped before the step
+    schedule: bool  # a learning-rate scheduler steps after the optimizer
+    reload_at: int | None  # a checkpoint round trip of the optimizer before this step
 
 
 @st.composite
@@ -78,6 +83,10 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         between=tuple(tuple(draw(st.lists(sizes, max_size=4))) for _ in range(steps)),
         inside=tuple(tuple(draw(st.lists(sizes, max_size=3))) for _ in range(steps)),
         keep_every=draw(st.integers(1, 4)),
+        micro=draw(st.integers(1, 2)),
+        clip=draw(st.booleans()),
+        schedule=draw(st.booleans()),
+        reload_at=draw(st.none() | st.integers(1, steps - 1)),
     )
 
 
@@ -96,8 +105,8 @@ def _model(s: Scenario) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
-def _batch(s: Scenario, step: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(s.seed * 31 + step)
+def _batch(s: Scenario, step: int, micro: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(s.seed * 31 + 7 * step + micro)
     return torch.randn(s.batch, s.widths[0], generator=generator)
 
 
@@ -155,26 +164,37 @@ def _train(
     opt_plain = _OPTIMIZERS[s.optimizer](plain.parameters())
     opt_swapped = _OPTIMIZERS[s.optimizer](swapped.parameters())
     session = session_for(swapped, opt_swapped)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (opt_plain, opt_swapped)]
     clutter = _Clutter(s.keep_every)
     for step in range(s.steps):
-        x = _batch(s, step)
-        _step(plain, x, 100 + step, list)
-        expected = _layout(plain)
-        with session:
-            held = clutter.make(s.inside[step][:1])
-            _step(swapped, x, 100 + step, lambda i=step: clutter.make(s.inside[i][1:]))
-            del held
-        got = _layout(swapped)
-        assert len(got) == len(expected)
-        for index, ((want, want_stride), (have, have_stride)) in enumerate(
-            zip(expected, got, strict=True)
-        ):
-            assert torch.equal(want, have), f"step {step}: gradient {index} differs ({s})"
-            assert want_stride == have_stride, f"step {step}: gradient {index} layout"
+        if step == s.reload_at:  # a checkpoint round trip between steps
+            opt_plain.load_state_dict(copy.deepcopy(opt_plain.state_dict()))
+            opt_swapped.load_state_dict(copy.deepcopy(opt_swapped.state_dict()))
+        for micro in range(s.micro):
+            x, seed = _batch(s, step, micro), 100 + 7 * step + micro
+            _step(plain, x, seed, list)
+            with session:
+                held = clutter.make(s.inside[step][:1])
+                _step(swapped, x, seed, lambda i=step: clutter.make(s.inside[i][1:]))
+                del held
+            expected, got = _layout(plain), _layout(swapped)
+            assert len(got) == len(expected)
+            for index, ((want, want_stride), (have, have_stride)) in enumerate(
+                zip(expected, got, strict=True)
+            ):
+                where = f"step {step}, micro-batch {micro}: gradient {index}"
+                assert torch.equal(want, have), f"{where} differs ({s})"
+                assert want_stride == have_stride, f"{where}: another layout"
+        if s.clip:
+            for model in (plain, swapped):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt_plain.step()
         transient = clutter.make(s.between[step])  # code between steps allocates
         opt_swapped.step()
         del transient
+        if s.schedule:
+            for schedule in schedules:
+                schedule.step()
         opt_plain.zero_grad()
         opt_swapped.zero_grad()
         clutter.check()

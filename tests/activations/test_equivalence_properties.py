@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
-from swapopt_core import OffloadConfig, OffloadSession
+from swapopt_core import OffloadConfig, OffloadSession, is_swap_optimizer
 from swapopt_core._activations.step_budget import _FIRST_STAGING_FACTOR, _STATE_PER_PARAM
 from swapopt_core._device.lanes import ENV_GBPS, ENV_JITTER_US
 from swapopt_core._device.registry import forget_shared_runtimes
@@ -238,7 +238,7 @@ def _whole_step_peak(s: Scenario) -> tuple[int, int]:
     """The planned peak of the drawn whole step with a budget that holds everything, and
     the least budget a session takes for it (parameters, gradients, the first update)."""
     model = _model(s)
-    opt = _OPTIMIZERS["adamw"](model.parameters())
+    opt = _OPTIMIZERS[s.optimizer](model.parameters())
     config = OffloadConfig(device_budget_mb=1 << 20, runtime="loopback", min_offload_kib=0)
     probe = OffloadSession(config, optimizer=opt)
     with probe:
@@ -260,11 +260,12 @@ def test_a_whole_step_budget_trains_bit_exactly(lanes: None, s: Scenario) -> Non
 
     def session_for(model: torch.nn.Module, opt: torch.optim.Optimizer) -> OffloadSession:
         try:
-            return OffloadSession(config, optimizer=opt)
+            session = OffloadSession(config, optimizer=opt)
         except ValueError:  # BudgetTooSmall too
             reject()  # below the floor of any plan for this model: nothing to compare
+        assert is_swap_optimizer(opt)  # the session swapped it: the swap is under test
+        return session
 
-    s = Scenario(**{**s.__dict__, "optimizer": "adamw"})  # the swapped family under test
     logging.getLogger("swapopt_core").setLevel(logging.ERROR)
     try:
         _train(s, session_for)

@@ -65,18 +65,15 @@ class OutsideReads:
     """
 
     def __init__(self) -> None:
-        self._seen: weakref.WeakKeyDictionary[torch.UntypedStorage, int] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._seen: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
         self.records: list[tuple[weakref.ref[torch.UntypedStorage], int]] = []
 
     def note(self, storage: torch.UntypedStorage) -> None:
         """Note ``storage`` (and its bytes now) unless it was noted already."""
         if storage in self._seen:
             return
-        nbytes = storage.nbytes()
-        self._seen[storage] = nbytes
-        self.records.append((weakref.ref(storage), nbytes))
+        self._seen.add(storage)
+        self.records.append((weakref.ref(storage), storage.nbytes()))
 
     def bytes_besides(self, held: Collection[torch.UntypedStorage]) -> int:
         """Bytes of the noted storages that are not in ``held`` (dead ones count: the

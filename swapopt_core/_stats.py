@@ -36,6 +36,15 @@ class SwapStats:
         resident_state_fraction: The configured share of the state kept resident.
         prefetch_batches: Batches prefetched during backward (0 when switched off or the
             backend has no prefetch).
+        peak_reserved_state_bytes: The most device memory the swap held reserved during a
+            step since install, blocks the allocator could not reuse yet included: on an
+            accelerator the state staged at once or the growth of the device's reserved
+            memory during the step, whichever is larger; on ``loopback-async`` the emulated
+            allocator's blocks (handed out, cached, or held back for a copy). Next to
+            ``peak_resident_state_bytes`` (what the books say was staged), it shows memory
+            the allocator kept besides.
+        pinned_fallback_buffers: Host buffers of the swapped state left pageable because
+            page-locking them failed (their copies do not overlap compute).
     """
 
     total_state_bytes: int
@@ -53,6 +62,8 @@ class SwapStats:
     resident_for_good_bytes: int = 0
     resident_state_fraction: float = 0.0
     prefetch_batches: int = 0
+    peak_reserved_state_bytes: int = 0
+    pinned_fallback_buffers: int = 0
 
     @property
     def kept_off_device_bytes(self) -> int:
@@ -107,4 +118,6 @@ def engine_stats(engine: EngineBase) -> SwapStats:
         resident_for_good_bytes=engine.ledger.held,
         resident_state_fraction=engine.config.resident_state_fraction,
         prefetch_batches=engine.config.effective_prefetch_batches if engine.prefetches else 0,
+        peak_reserved_state_bytes=engine.ledger.reserved_peak,
+        pinned_fallback_buffers=engine.runtime.pageable_buffers(s.host for s in slots),
     )

@@ -151,6 +151,11 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
         keys = {self._buffer_key(host) for host in hosts}
         return sum(self._pinned.get(key, 0) for key in keys)
 
+    def pageable_buffers(self, hosts: Iterable[TensorT]) -> int:
+        """How many buffers under ``hosts`` were meant to be page-locked but are pageable
+        (page-locking failed for them); 0 on runtimes that never page-lock."""
+        return 0
+
     def _buffer_key(self, host: TensorT) -> int:
         """Identity of the buffer under ``host`` (views of one buffer share it)."""
         return int(host.untyped_storage().data_ptr())  # type: ignore[attr-defined]

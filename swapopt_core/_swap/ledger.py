@@ -21,6 +21,8 @@ class DeviceLedger:
     peak: int = 0
     held: int = 0
     window_peak: int = 0
+    #: The most device memory the swap held reserved during a step (``note_reserved``).
+    reserved_peak: int = 0
 
     def hold(self, nbytes: int) -> None:
         """The state kept on the device for good is ``nbytes`` now."""

@@ -6,12 +6,17 @@ the device's allocator and its time. The same model then trains under
 ``OffloadSession(config, optimizer=opt)``; the section reports the whole-step peak the
 session's meter saw against the target, the plan's predicted peak and time, the step time
 against plain, and whether parameters and state stayed equal to the plain run bit for bit.
-On the smoke run (CPU) the loopback runtime plays the device and the meter counts storages.
+On CUDA it also reports the allocator's own peaks during the budgeted steps
+(``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``, the plain model dropped and
+the cache emptied first, so both runs are measured alone) against the target: the meter
+counts allocated bytes only. On the smoke run (CPU) the loopback runtime plays the device
+and the meter counts storages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +54,7 @@ def section_device_budget(m: Any, sizes: Any, deadline: float, ctx: dict) -> dic
         if m.cuda:
             m.sync()
             torch.cuda.reset_peak_memory_stats()
-        seconds = m.timed(lambda s=i + 1.0: train_step(plain, plain_opt, s))
+        seconds = m.timed(lambda s=i + 1.0, a=plain, o=plain_opt: train_step(a, o, s))
         if i > 0:
             plain_times.append(seconds)
             if m.cuda:
@@ -71,6 +76,10 @@ def section_device_budget(m: Any, sizes: Any, deadline: float, ctx: dict) -> dic
         natural = probe.stats().step_peak_device_bytes
         source = "the session's meter (loopback storage count)"
     target_mb = SHARE * natural / MiB
+    # The plain run's parameters, kept on the host for the comparison: its model and state
+    # leave the device, so the allocator's peaks below are the budgeted run's alone.
+    plain_params = [p.detach().to("cpu", copy=True) for p in plain.parameters()]
+    del plain, plain_opt
     model = _mlp(sizes.mlp_width, sizes.mlp_layers, m.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     config = swapopt.OffloadConfig(
@@ -87,16 +96,27 @@ def section_device_budget(m: Any, sizes: Any, deadline: float, ctx: dict) -> dic
 
         return run
 
-    times = []
+    times, allocated, reserved = [], [], []
+    if m.cuda:
+        gc.collect()  # the plain model and optimizer, if a cycle holds them
+        m.sync()
+        torch.cuda.empty_cache()  # the plain run's cached blocks would hide reserved growth
     for i in range(1 + sizes.replays):
         if i >= 2 and time.monotonic() > deadline:
             break
+        if m.cuda:
+            m.sync()
+            torch.cuda.reset_peak_memory_stats()
         seconds = m.timed(budgeted(i + 1.0))
         if i > 0:
             times.append(seconds)
+            if m.cuda:
+                allocated.append(torch.cuda.max_memory_allocated())
+                reserved.append(torch.cuda.max_memory_reserved())
     # The plain run took as many steps with the same inputs: the bits must agree.
     equal = all(
-        torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters(), strict=True)
+        torch.equal(a, b.detach().cpu())
+        for a, b in zip(plain_params, model.parameters(), strict=True)
     )
     stats = session.stats()
     target = int(target_mb * MiB)
@@ -113,6 +133,16 @@ def section_device_budget(m: Any, sizes: Any, deadline: float, ctx: dict) -> dic
             stats.planned_step_peak_device_bytes / target
             if stats.planned_step_peak_device_bytes is not None and target
             else None
+        ),
+        "allocated_peak_bytes": max(allocated) if allocated else None,
+        "reserved_peak_bytes": max(reserved) if reserved else None,
+        "allocated_peak_over_target": max(allocated) / target if allocated and target else None,
+        "reserved_peak_over_target": max(reserved) / target if reserved and target else None,
+        "allocator_peaks_source": (
+            "torch.cuda.max_memory_allocated / max_memory_reserved over each budgeted step "
+            "(plain model dropped, cache emptied first)"
+            if allocated
+            else "no allocator statistics on cpu"
         ),
         "step_over_plain": median / plain_median if median and plain_median else None,
         "step_over_planned": (

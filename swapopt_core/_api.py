@@ -77,6 +77,15 @@ def _pick_runtime(
     manager: pluggy.PluginManager,
     engine_class: type[EngineBase],
 ) -> TransferRuntime[Any, Any, Any] | None:
+    """The runtime that swaps ``optimizer``'s state: ``config.runtime``'s class, or with
+    ``"auto"`` the one declaring the parameters' device type (``None``: none does).
+
+    The runtime is made (or shared) for the parameters' device, as
+    ``engine_class.runtime_device`` reports it: the device of the first parameter the
+    runtime's class serves, when they span several devices of that type. Not the current
+    device: a process that placed its parameters with ``.to(f"cuda:{rank}")`` without
+    ``set_device`` would time, meter and page-lock on GPU 0.
+    """
     framework = engine_class.framework
     runtimes = runtime_classes(manager, framework)
     if config.runtime != "auto":
@@ -88,7 +97,9 @@ def _pick_runtime(
                 "that provides it (swapopt_register_runtimes)."
             )
         try:
-            return shared_runtime(chosen)
+            return shared_runtime(
+                chosen, engine_class.runtime_device(optimizer, chosen.device_types)
+            )
         except RuntimeError:  # its device is absent: say first that it serves no parameter
             types = engine_class.param_devices(optimizer)
             if types and chosen.device_types and not set(chosen.device_types) & types:
@@ -103,7 +114,8 @@ def _pick_runtime(
         )
     if not matching:
         return None
-    return shared_runtime(next(iter(matching.values())))
+    cls = next(iter(matching.values()))
+    return shared_runtime(cls, engine_class.runtime_device(optimizer, cls.device_types))
 
 
 def _check_serves(

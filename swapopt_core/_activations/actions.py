@@ -113,6 +113,7 @@ class ActionRunner:
         for entry in candidates:
             if residency.resident_bytes <= limit:
                 return
-            if residency.copy_out(entry):
-                residency.release(entry)
+            # Copied out and released at once: the release makes compute wait for that
+            # copy (counted in ``eviction_stalls``); releasing later would break ``limit``.
+            if residency.evict(entry):
                 self.evictions += 1

@@ -89,6 +89,7 @@ class Counts:
     demand_recomputes: int = 0
     replans: int = 0
     plan_switches: int = 0
+    eviction_stalls: int = 0
 
 
 class Executor:
@@ -259,6 +260,7 @@ class Executor:
             host_cap_refusals=counts.host_cap_refusals + residency.host_cap_refusals,
             recomputes=counts.recomputes + residency.recomputes,
             demand_recomputes=counts.demand_recomputes + residency.recomputes - planned,
+            eviction_stalls=counts.eviction_stalls + residency.eviction_stalls,
             gradient_bytes=gradients.nbytes if traced else counts.gradient_bytes,
         )
 

@@ -47,6 +47,9 @@ class HostPool:
         self.peak = 0
         self.exhausted = False  # a host allocation failed (MemoryError) at least once
         self._free: dict[int, list[tuple[torch.Tensor, tuple[Any, ...]]]] = {}
+        # Every buffer allocated and not yet freed (handed out or idle), held weakly.
+        self._made: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._serial = 0
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
         """A host buffer of ``nbytes``, or ``None`` when the cap leaves no room."""
@@ -69,7 +72,14 @@ class HostPool:
         host = self.runtime.alloc_host(nbytes, torch.uint8)
         self.allocated += nbytes
         self.peak = max(self.peak, self.allocated)
+        self._serial += 1
+        self._made[self._serial] = host
         return host
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The host buffers the pool allocated that are still alive (idle or handed out):
+        what the runtime's ``pinned_nbytes``/``pageable_buffers`` are asked about."""
+        return list(self._made.values())
 
     def release(self, host: torch.Tensor, tickets: tuple[Any, ...] = ()) -> None:
         """Take ``host`` back; ``tickets`` are the copies that may still be using it."""
@@ -147,6 +157,7 @@ class Residency:
         self.h2d_bytes = 0
         self.host_cap_refusals = 0
         self.recomputes = 0  # storages made again from their recipes
+        self.eviction_stalls = 0  # evictions whose release waited on their own copy out
 
     # ---- registration --------------------------------------------------------------------
 
@@ -259,6 +270,25 @@ class Residency:
         self.released.add(entry.sid)
         storage.resize_(0)
         self.runtime.note_resized(storage)  # a step meter follows the release
+
+    def evict(self, entry: Tracked) -> bool:
+        """Copy ``entry`` out and release it at once (to make room now); False if
+        ``copy_out`` refused it (it stays on the device).
+
+        When the copy out is issued here, the release makes compute wait for that very
+        copy: the whole D2H runs between two ops on the compute stream, with nothing to
+        overlap it. Such evictions are counted in ``eviction_stalls`` (a plan's own
+        ``COPY_D2H`` ahead of its ``RELEASE_DEVICE`` is how a replay avoids them). Releasing
+        later instead would break the budget the eviction holds.
+        """
+        issued = not entry.host_valid  # the copy out is issued now, not by an earlier action
+        if not self.copy_out(entry):
+            return False
+        was_resident = entry.resident
+        self.release(entry)
+        if issued and was_resident and not entry.resident:
+            self.eviction_stalls += 1
+        return True
 
     def copy_in(self, entry: Tracked) -> None:
         """Re-allocate ``entry`` and start copying its bytes back (a prefetch); one without a

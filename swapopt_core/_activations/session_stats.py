@@ -47,7 +47,15 @@ class OffloadStats(Counts):
             op sequence was planned again for the larger sizes (no warmup).
         plan_switches: Times a replay left its plan for another kept plan that goes on with
             the step's ops (alternating op sequences: gradient accumulation).
+        eviction_stalls: Evictions (a warmup holding the budget, a replay holding its
+            plan's peak) that copied a storage out and released it at once: compute waited
+            for that whole copy out between two ops, with nothing to overlap it. A replay
+            that keeps to its plan has none; many mean the plan's budget is too tight for
+            the step as it runs.
         plans_kept: Plans (distinct op sequences) the session keeps now, at most 4.
+        pinned_fallback_buffers: Host buffers of the session (its runtime's, now) that are
+            pageable because page-locking them failed: their copies block the host and do
+            not overlap compute. 0 where the runtime does not page-lock.
         step_peak_device_bytes: With ``device_budget_mb``: the highest device bytes of any
             whole step (from the session's first entry until ``optimizer.step()`` returned,
             the first step included), from the runtime's meter: the allocator's peak on an
@@ -71,6 +79,7 @@ class OffloadStats(Counts):
     planned_actions: int
     budget_bytes: int
     plans_kept: int = 0
+    pinned_fallback_buffers: int = 0
     step_peak_device_bytes: int = 0
     planned_step_peak_device_bytes: int | None = None
     planned_step_ms: float | None = None
@@ -96,6 +105,11 @@ def session_stats(executor: Executor, budget: StepBudget | None) -> OffloadStats
         planned_actions=len(executor.schedule) if executor.schedule is not None else 0,
         budget_bytes=executor.budget_bytes,
         plans_kept=len(executor.book),
+        pinned_fallback_buffers=(
+            executor.pool.runtime.pageable_buffers(executor.pool.buffers())
+            if executor.pool is not None
+            else 0
+        ),
         **(
             budget.stats()
             if budget is not None

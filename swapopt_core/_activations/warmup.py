@@ -259,10 +259,10 @@ class WarmupEntry:
         for entry in (*large, *small):
             if residency.resident_bytes <= limit:
                 break
-            if residency.copy_out(entry):
-                residency.release(entry)
-                if not entry.resident:
-                    scope.gradients.released(entry)
+            # Copied out and released at once, to stay under the budget now: compute waits
+            # for the copy (counted in ``eviction_stalls``).
+            if residency.evict(entry) and not entry.resident:
+                scope.gradients.released(entry)
 
     def take_over(self) -> None:
         """Make the replay's residency a warmup's: storages findable by object, no recipes

@@ -37,7 +37,8 @@ import atexit
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -125,7 +126,8 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
         self._streams: dict[tuple[torch.device, str], torch.Stream] = {}
         self._compute: dict[torch.device, torch.Stream] = {}  # of each device's entry
         self._entry_device = device  # where the last entry ran: what ``stamp`` times
-        self._register_failed = False
+        self._pageable: set[int] = set()  # keys of host buffers whose registration failed
+        self._register_warned = False  # one warning per runtime; debug lines after
         _LIVE.add(self)
 
     @classmethod
@@ -155,9 +157,12 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
     # ---- memory ------------------------------------------------------------------------
 
     def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.device.type == "cuda" and torch.version.hip is None:
-            return self._alloc_registered(numel, dtype)
-        host = torch.empty(numel, dtype=dtype, pin_memory=True)
+        # Page locking acts on the current device (CUDA makes its context there first): this
+        # runtime's device, not whichever the process last selected.
+        with _on_device(self.device):
+            if self.device.type == "cuda" and torch.version.hip is None:
+                return self._alloc_registered(numel, dtype)
+            host = torch.empty(numel, dtype=dtype, pin_memory=True)
         storage = host.untyped_storage()
         if storage.nbytes():
             # The caching host allocator hands out power-of-two blocks: that is what is
@@ -167,22 +172,48 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
         return host
 
     def _alloc_registered(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Exact-size host memory registered with CUDA (pageable once that failed)."""
-        if self._register_failed:
-            return torch.empty(numel, dtype=dtype)
+        """Exact-size host memory registered with CUDA.
+
+        Each buffer is registered on its own: one that fails stays pageable (its copies
+        block the host and do not overlap compute) and is counted (``pageable_buffers``),
+        while the next buffer is tried again, so one transient failure (a page-lock limit
+        reached for a moment) does not make every later buffer pageable. The first failure
+        of a runtime is a warning, later ones debug lines.
+        """
         host, error = alloc_pinned(numel, dtype)
+        storage = host.untyped_storage()
+        if not storage.nbytes():
+            return host
+        key = storage.data_ptr()
         if error == 0:
-            storage = host.untyped_storage()
-            if storage.nbytes():
-                self._count_pinned(storage, storage.nbytes(), key=storage.data_ptr())
-        else:
-            self._register_failed = True
+            self._count_pinned(storage, storage.nbytes(), key=key)
+            return host
+        self._pageable.add(key)
+        weakref.finalize(storage, _forget_pageable, weakref.ref(self), key)
+        if not self._register_warned:
+            self._register_warned = True
             logger.warning(
-                "cudaHostRegister failed (cudaError %d); host buffers use pageable memory "
-                "from now on, so their copies will not overlap with compute.",
+                "cudaHostRegister failed (cudaError %d) for a %d-byte host buffer: it stays "
+                "pageable, so its copies block the host and do not overlap compute. Later "
+                "buffers are registered again; those that fail are counted "
+                "(pinned_fallback_buffers) and logged at debug level.",
                 error,
+                storage.nbytes(),
+            )
+        else:
+            logger.debug(
+                "cudaHostRegister failed (cudaError %d) for a %d-byte host buffer: pageable",
+                error,
+                storage.nbytes(),
             )
         return host
+
+    def pageable_buffers(self, hosts: Iterable[torch.Tensor]) -> int:
+        """How many buffers under ``hosts`` (each once, views included) stayed pageable
+        because their ``cudaHostRegister`` failed."""
+        if not self._pageable:
+            return 0
+        return len({self._buffer_key(host) for host in hosts} & self._pageable)
 
     def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # On the compute stream: freed blocks return to the pool forward and backward use.
@@ -274,12 +305,37 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
         """
         self._compute[device] = torch.accelerator.current_stream(device)
         self._entry_device = device
+        self.check_ordering(device)
+        return self._cheap_check(device)
 
-        def check() -> None:
-            self.check_ordering(device)
+    def _cheap_check(self, device: torch.device) -> Callable[[], None]:
+        """The per-op form of ``check_ordering``: it runs before every op of an entry.
 
-        check()
-        return check
+        ``torch.accelerator.current_stream`` builds a new ``torch.Stream`` at every call (and
+        ``torch.cuda.is_current_stream_capturing`` adds a Python frame): microseconds per op,
+        tens of milliseconds a step at 10k ops. On CUDA the check compares the
+        ``(id, device, type)`` tuple torch's ``_cuda_getCurrentStream`` returns (what
+        ``torch.cuda.current_stream`` is built from) and asks the capture flag directly;
+        only when one of them differs does ``check_ordering`` run and say what is wrong.
+        Elsewhere (or a torch without those bindings) every op runs ``check_ordering``.
+        """
+        current = getattr(torch._C, "_cuda_getCurrentStream", None)
+        capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+        index = device.index
+        if device.type != "cuda" or current is None or capturing is None or index is None:
+
+            def check() -> None:
+                self.check_ordering(device)
+
+            return check
+        expected = current(index)
+        check_ordering = self.check_ordering
+
+        def fast_check() -> None:
+            if current(index) != expected or capturing():
+                check_ordering(device)  # raises, naming what is wrong
+
+        return fast_check
 
     def check_ordering(self, device: torch.device) -> None:
         """Refuse an op the copies could not be ordered with.
@@ -308,9 +364,13 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
 
     def stamp(self) -> torch.Event:
         device = self._entry_device
-        event = torch.Event(device=device, enable_timing=True)
-        # Timing only: recorded on compute, read once the warmup ended (``wait_stamps``).
-        event.record(self._compute.get(device) or torch.accelerator.current_stream(device))
+        # The event is made and recorded on the entry's device, whichever device is current
+        # (torch's CUDA event record switches to the stream's device itself; the guard keeps
+        # it so for any backend).
+        with _on_device(device):
+            event = torch.Event(device=device, enable_timing=True)
+            # Timing only: recorded on compute, read once the warmup ended (``wait_stamps``).
+            event.record(self._compute.get(device) or torch.accelerator.current_stream(device))
         return event
 
     def wait_stamps(self) -> None:
@@ -319,6 +379,21 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
 
     def elapsed_ms(self, start: torch.Event, end: torch.Event) -> float:
         return float(start.elapsed_time(end))
+
+
+def _on_device(device: torch.device) -> AbstractContextManager[None]:
+    """Make ``device`` the current accelerator device for the block (calls that act on the
+    current device: page locking, events). A no-op for a device without an index."""
+    if device.index is None:
+        return nullcontext()
+    return torch.accelerator.device_index(device.index)
+
+
+def _forget_pageable(runtime: weakref.ref[AcceleratorRuntime], key: int) -> None:
+    """A pageable host buffer was freed: take it off its runtime's set, if the runtime lives."""
+    alive = runtime()
+    if alive is not None:
+        alive._pageable.discard(key)
 
 
 def _capturing(device: torch.device) -> bool:

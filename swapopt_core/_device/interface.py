@@ -26,6 +26,8 @@ from swapopt_core._device.meter import AllocatorMeter, StepMeter, StorageMeter
 
 __all__ = ["AnyRuntime", "CopyPair", "Ticket", "TorchRuntime", "TransferRuntime", "byte_view"]
 
+#: The two directions of ``measure_duplex_bandwidth``, as its results are keyed.
+_DIRECTIONS = ("d2h", "h2d")
 _NO_SIZE = 1 << 62  # sorts after every real size: bisects to the last buffer at an address
 
 TensorT = TypeVar("TensorT")
@@ -346,6 +348,59 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
             # The device buffer goes back once the last copy is done (waited above).
             self.release_device(on_device)
         return statistics.median(d2h[1:]), statistics.median(h2d[1:])
+
+    def measure_duplex_bandwidth(
+        self, nbytes: int = 32 * 2**20, repeats: int = 5
+    ) -> tuple[float, float]:
+        """Median D2H and H2D bandwidth in GB/s with both directions queued together.
+
+        ``measure_bandwidth`` times each direction alone; backward copies both ways at once
+        (it pages out the activations it makes and pages in those it reads next), and a
+        link may not carry both at full speed. Each measurement queues a ``copy_out`` and a
+        ``copy_in`` of ``nbytes`` (buffers of their own, so neither waits for the other)
+        before waiting for either, then waits for one direction: its figure is ``nbytes``
+        over the time from queuing the pair until its copy is done, while the other
+        direction shared the link. Each direction is measured ``repeats`` times (after one
+        warm round), waited for first in turn. Through this runtime's own
+        ``copy_out``/``copy_in``/``host_wait`` on buffers from ``alloc_host``/``alloc_device``,
+        like ``measure_bandwidth``; on a synchronous runtime the copies run one after the
+        other as they are queued.
+
+        Returns:
+            ``(d2h, h2d)`` in GB/s, each measured while the other direction ran.
+        """
+        device = self.device if self.device is not None else torch.device("cpu")
+        hosts: dict[str, Any] = {d: self.alloc_host(nbytes, torch.uint8) for d in _DIRECTIONS}
+        on_device: dict[str, Any] = {
+            d: self.alloc_device(nbytes, torch.uint8, device)  # type: ignore[arg-type]
+            for d in _DIRECTIONS
+        }
+        hosts["h2d"].fill_(2)
+        on_device["d2h"].fill_(1)
+        results: dict[str, list[float]] = {d: [] for d in _DIRECTIONS}
+        tickets: dict[str, Any] = {}
+        try:
+            for _ in range(repeats + 1):
+                for first, second in (_DIRECTIONS, _DIRECTIONS[::-1]):
+                    start = time.perf_counter()
+                    tickets["d2h"] = self.copy_out([(on_device["d2h"], hosts["d2h"])])
+                    tickets["h2d"] = self.copy_in([(on_device["h2d"], hosts["h2d"])])
+                    # Calibration needs the finished copy's time; the other one is still
+                    # running (or queued), sharing the link.
+                    self.host_wait(tickets.pop(first))
+                    elapsed = time.perf_counter() - start
+                    # Both buffers are written again next round: that copy must be done.
+                    self.host_wait(tickets.pop(second))
+                    results[first].append(nbytes / max(elapsed, 1e-9) / 1e9)
+        finally:
+            for ticket in tickets.values():
+                # The buffers go back below: a copy left queued by a failure must be done.
+                self.host_wait(ticket)
+            for tensor in on_device.values():
+                self.release_device(tensor)
+        # The first (warm) round of each direction is left out.
+        d2h, h2d = (statistics.median(results[d][1:]) for d in _DIRECTIONS)
+        return d2h, h2d
 
 
 def _uncount(

@@ -17,6 +17,9 @@ logger = logging.getLogger(__name__)
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context
 #: Sonames under which torch may have loaded the CUDA runtime into this process.
 _CUDART_NAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
+#: Where the process's mapped files are listed: builds that bundle the CUDA runtime under a
+#: name of their own (``libcudart-<hash>.so.12``) are found there.
+_MAPS_PATH = "/proc/self/maps"
 
 
 def alloc_pinned(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -30,7 +33,7 @@ def alloc_pinned(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     Returns:
         The tensor and the ``cudaError`` code of the registration (0: pinned; otherwise the
         memory is pageable, which is still correct, only copies no longer overlap compute).
-        Callers warn once and stop registering after a failure.
+        Callers try each buffer anew, and count those that stay pageable.
     """
     host = torch.empty(numel, dtype=dtype)
     nbytes = host.untyped_storage().nbytes()
@@ -69,13 +72,37 @@ def clear_last_error(cudart: Any) -> bool:
 
 
 def _loaded_cudart_function(name: str) -> Any:
-    """``name`` from the CUDA runtime library already in this process, if it is there."""
+    """``name`` from the CUDA runtime library already in this process, if it is there.
+
+    Looked up by the sonames torch's CUDA wheels load it under, then by the paths the
+    process has mapped (a build that bundles ``libcudart-<hash>.so.*``); each opened with
+    ``RTLD_NOLOAD``, so only a library already loaded is found.
+    """
     mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 0)
     if not mode:  # pragma: no cover - no dlopen flags (Windows)
         return None
-    for soname in _CUDART_NAMES:
+    for library in (*_CUDART_NAMES, *_mapped_cudart_paths()):
         try:
-            return getattr(ctypes.CDLL(soname, mode=mode), name)
+            return getattr(ctypes.CDLL(library, mode=mode), name)
         except (OSError, AttributeError):
             continue
     return None
+
+
+def _mapped_cudart_paths() -> list[str]:
+    """Paths of the CUDA runtime libraries mapped into this process (``_MAPS_PATH``), in
+    the order they appear; none where the list cannot be read (not Linux)."""
+    try:
+        with open(_MAPS_PATH, encoding="utf-8", errors="replace") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return []
+    paths: list[str] = []
+    for line in lines:
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+        if len(fields) < 6:
+            continue
+        path = fields[5].strip()
+        if "libcudart" in os.path.basename(path) and path.startswith("/") and path not in paths:
+            paths.append(path)
+    return paths

@@ -114,6 +114,16 @@ class EngineBase(ABC):
         ``device_types`` (torch ``"cuda"``, ``"cpu"``; MindSpore ``"Ascend"``, ``"CPU"``)."""
 
     @classmethod
+    def runtime_device(cls, optimizer: Any, device_types: tuple[str, ...]) -> Any:
+        """The device to make the runtime for: that of the first parameter whose device
+        type is in ``device_types`` (a runtime's ``device_types``), in parameter-group
+        order. When the parameters span several devices of those types, the first one
+        wins; the runtime serves the others too, but times, meters and page-locks on that
+        one. ``None`` when no parameter is on such a device, or the backend does not tell
+        (the runtime then picks, e.g. the current device): this default."""
+        return None
+
+    @classmethod
     def runtime_serves(cls, runtime: AnyRuntime, optimizer: Any) -> bool:
         """Whether ``runtime`` serves the device of at least one of the parameters."""
         return any(runtime.serves(device) for device in cls.param_devices(optimizer))

@@ -96,6 +96,19 @@ class SwapEngine(EngineBase):
         }
 
     @classmethod
+    def runtime_device(
+        cls, optimizer: torch.optim.Optimizer, device_types: tuple[str, ...]
+    ) -> torch.device | None:
+        """The device of the first parameter (in group order) on one of ``device_types``;
+        parameters on several such devices: the first one's (see the base class)."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                device = local_tensor(p).device
+                if device.type in device_types:
+                    return device
+        return None
+
+    @classmethod
     def runtime_serves(cls, runtime: TransferRuntime, optimizer: torch.optim.Optimizer) -> bool:
         return any(runtime.serves(torch.device(t)) for t in cls.param_devices(optimizer))
 

@@ -20,6 +20,7 @@ from swapopt_core._device.accelerator import AcceleratorRuntime
 from swapopt_core._device.interface import byte_view
 from swapopt_core._device.loopback import LoopbackRuntime
 from tests.activations.test_session import Net, Wide, _batch, _grads, _step
+from tests.fake_accelerator import CurrentDevice
 
 ROOT = Path(__file__).resolve().parents[2]
 EVERY_GAP = OffloadConfig(
@@ -275,9 +276,19 @@ def test_skip_offload_regions_replay_under_a_binding_budget(
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict:
     """Streams are plain objects; which one is current and whether it captures is ours."""
     state = {"current": "main", "capturing": False}
+    ids: dict[object, int] = {}
     monkeypatch.setattr(torch, "Stream", lambda device=None: object())
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: state["current"])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    # The bindings behind them, which the per-op check calls: (stream id, device, type).
+    monkeypatch.setattr(
+        torch._C,
+        "_cuda_getCurrentStream",
+        lambda index: (ids.setdefault(state["current"], len(ids)), index, 1),
+        raising=False,
+    )
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: state["capturing"])
+    CurrentDevice(0).install(monkeypatch)
     return state
 
 
@@ -334,7 +345,7 @@ def test_a_refused_op_leaves_the_session_usable(manager) -> None:
 # ---- the CUDA runtime's host buffers and copies (torch.cuda faked) ---------------------
 
 
-def test_page_locking_is_tried_once_and_warned_once(
+def test_page_locking_is_tried_per_buffer_and_warned_once(
     fake_cuda: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     calls = []
@@ -348,8 +359,9 @@ def test_page_locking_is_tried_once_and_warned_once(
     with caplog.at_level(logging.WARNING, logger=runtime_module.__name__):
         buffers = [runtime.alloc_host(n, torch.uint8) for n in (16, 32, 64)]
     assert [b.numel() for b in buffers] == [16, 32, 64]
-    assert calls == [16]
+    assert calls == [16, 32, 64]  # one failure does not make every later buffer pageable
     assert sum("cudaHostRegister failed" in r.message for r in caplog.records) == 1
+    assert runtime.pageable_buffers(buffers) == 3
 
 
 def test_cuda_copies_keep_blocks_by_events_not_record_stream(

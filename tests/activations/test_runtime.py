@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import threading
 
 import pytest
@@ -31,6 +32,23 @@ def cuda_claimed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name in ("current_device", "Stream", "Event", "synchronize"):
         monkeypatch.setattr(torch.cuda, name, touched)
+    # The device-generic API the accelerator runtime is written against. torch._dynamo
+    # (which ops import lazily) subclasses torch.Stream at import: imported before the patch.
+    importlib.import_module("torch._dynamo")
+
+    for name in ("Stream", "Event"):
+        monkeypatch.setattr(torch, name, touched)
+    for name in (
+        "current_stream",
+        "set_stream",
+        "synchronize",
+        "current_device_index",
+        "device_index",
+        "memory_allocated",
+        "max_memory_allocated",
+        "reset_peak_memory_stats",
+    ):
+        monkeypatch.setattr(torch.accelerator, name, touched)
 
 
 def test_auto_offloads_cpu_activations_where_cuda_is_available(cuda_claimed: None) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from swapopt_core._device import pinned
 from swapopt_core._device.accelerator import AcceleratorRuntime
+from tests.fake_accelerator import CurrentDevice
 
 
 class FakeCudart:
@@ -69,16 +70,18 @@ def test_no_runtime_library_loaded_is_a_warning_not_a_crash(
     assert "could not clear CUDA's last error" in caplog.text
 
 
-def test_the_cuda_runtime_registers_once_then_warns_once_and_stays_pageable(
+def test_the_cuda_runtime_tries_every_buffer_warns_once_and_counts_the_pageable(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    CurrentDevice(0).install(monkeypatch)
     fake = FakeCudart(error=2)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     runtime = AcceleratorRuntime(torch.device("cuda", 0))  # constructs without a GPU
     with caplog.at_level(logging.WARNING):
         buffers = [runtime.alloc_host(8, torch.float32) for _ in range(3)]
-    assert fake.registered == 1
+    assert fake.registered == 3
     assert fake.last_error == 0
     assert sum("cudaHostRegister failed" in r.message for r in caplog.records) == 1
     assert all(b.numel() == 8 for b in buffers)
     assert runtime.pinned_bytes == 0
+    assert runtime.pageable_buffers(buffers) == 3

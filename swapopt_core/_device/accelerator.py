@@ -14,11 +14,22 @@ on separate streams, so one direction overlaps the other (full duplex).
 
 Two ways memory goes back, both without a host sync:
 
-* ``release_device`` (the optimizer's staging buffers) passes the copy streams still using
-  the memory to the allocator (``record_stream``), which reuses it only after those copies.
+* ``release_ordered`` (the optimizer's staging buffers): the compute stream waits for the
+  copies still using the block, then frees it; the allocator hands it out again at once in
+  compute-stream order, and the next batch's copy in (which waits for compute) reuses it.
+  ``release_device`` with ``record_stream`` would keep every block out of the pool until
+  the host *saw* its copy finish, which a host queuing the whole step in a millisecond
+  never does inside the step: reserved memory would grow to every batch of the step.
 * An activation storage is released by the session (resized to 0) after compute waited on
-  the copy's ticket, so the block returns to the pool only after the copy; no
-  ``record_stream`` there, which would only hold freed blocks back from reuse.
+  the copy's ticket, the same rule.
+
+Each half (``ACTIVATIONS``, ``OPTIMIZER``) has its own pair of copy streams per device, so
+the optimizer's prefetch, queued at the first gradient, never holds back an activation's
+page-in on a FIFO stream; the copy engines interleave the two. Streams are switched with a
+per-thread save and restore (``torch.accelerator.set_stream``), never through a shared
+stream object's context manager. The host memory of every queued copy is kept alive until
+its event completed (``HostKeeper``), so an owner dropped right after ``step()`` cannot
+free, and unregister, memory a copy is still writing.
 
 Host memory is page-locked at its exact size with ``cudaHostRegister`` where the backend is
 CUDA (``pinned.py``); elsewhere it comes from the backend's own pinned allocator
@@ -43,7 +54,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swapopt_core._device.interface import CopyPair, TransferRuntime
+from swapopt_core._device.interface import (
+    ACTIVATIONS,
+    OPTIMIZER,
+    CopyPair,
+    HostKeeper,
+    TransferRuntime,
+)
 from swapopt_core._device.pinned import alloc_pinned
 
 logger = logging.getLogger(__name__)
@@ -116,6 +133,7 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
 
     name = "cuda"
     device_types = ("cuda",)
+    copy_queues = (ACTIVATIONS, OPTIMIZER)
     stamps_need_sync = True
 
     def __init__(self, device: torch.device | None = None) -> None:
@@ -123,7 +141,10 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
         if device is None or device.index is None:
             device = _current_device(self.device_types[0], self.name)
         self.device: torch.device = device
-        self._streams: dict[tuple[torch.device, str], torch.Stream] = {}
+        self._streams: dict[tuple[torch.device, str, str], torch.Stream] = {}
+        # Host memory of queued copies, kept until their events completed (DMA reads and
+        # writes it after the call returned; nothing else ties it to the copy).
+        self.hosts = HostKeeper(lambda ticket: ticket.done())
         self._compute: dict[torch.device, torch.Stream] = {}  # of each device's entry
         self._entry_device = device  # where the last entry ran: what ``stamp`` times
         self._pageable: set[int] = set()  # keys of host buffers whose registration failed
@@ -148,10 +169,12 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
     def serves(self, device: torch.device) -> bool:
         return device.type == self.device.type
 
-    def _stream(self, device: torch.device, direction: str) -> torch.Stream:
-        stream = self._streams.get((device, direction))
+    def _stream(self, device: torch.device, direction: str, queue: str) -> torch.Stream:
+        """The copy stream of ``queue`` (each half has its own pair) in ``direction``."""
+        key = (device, direction, queue)
+        stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams[(device, direction)] = torch.Stream(device=device)
+            stream = self._streams[key] = torch.Stream(device=device)
         return stream
 
     # ---- memory ------------------------------------------------------------------------
@@ -226,21 +249,41 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
             for stream, _event, _compute in ticket.marks if ticket is not None else ():
                 if stream.device == tensor.device:
                     # The allocator reuses the block only once this stream's queued copies
-                    # (which still read or write it) finished.
+                    # (which still read or write it) finished, as the host sees them: a
+                    # host far ahead of the device keeps the block out of the pool.
                     tensor.record_stream(stream)
         tensor.untyped_storage().resize_(0)
+
+    def release_ordered(
+        self, tensor: torch.Tensor, after: Sequence[StreamTicket | None] = ()
+    ) -> None:
+        for ticket in after:
+            # The compute stream the block was allocated on frees it only after the copies
+            # still using it; later work there (and copies, which wait for it) reuses it.
+            self.wait(ticket)
+        tensor.untyped_storage().resize_(0)
+
+    reserved_scope = "device"
+
+    def reserved_bytes(self) -> int:
+        return int(torch.accelerator.memory_reserved(self.device))
 
     # ---- copies and waits ----------------------------------------------------------------
 
     def _issue(
-        self, direction: str, pairs: Sequence[CopyPair], after: Sequence[StreamTicket | None]
+        self,
+        direction: str,
+        pairs: Sequence[CopyPair],
+        after: Sequence[StreamTicket | None],
+        queue: str,
     ) -> StreamTicket:
+        self.hosts.prune()
         grouped: dict[torch.device, list[CopyPair]] = {}
         for pair in pairs:
             grouped.setdefault(pair[0].device, []).append(pair)
         ticket = StreamTicket()
         for device, group in grouped.items():
-            stream = self._stream(device, direction)
+            stream = self._stream(device, direction, queue)
             compute = torch.accelerator.current_stream(device)
             # The copy starts after the compute work queued so far: it wrote the data
             # copied out, or just gave back the memory copied into.
@@ -249,25 +292,39 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
                 for _stream, event, _compute in other.marks if other is not None else ():
                     # A copy still using this memory, or writing the host memory read here.
                     stream.wait_event(event)
-            with stream:
+            # Switched with a local save and restore, not ``with stream:``: the stream object
+            # is shared by the main and the autograd thread, and its context manager keeps
+            # the stream it replaced on the object (the current stream is per thread).
+            previous = torch.accelerator.current_stream(device)
+            torch.accelerator.set_stream(stream)
+            try:
                 for device_tensor, host_tensor in group:
                     if direction == "h2d":
                         # Async from pinned memory; compute waits on the ticket.
                         device_tensor.copy_(host_tensor, non_blocking=True)
                     else:
                         host_tensor.copy_(device_tensor, non_blocking=True)
+            finally:
+                torch.accelerator.set_stream(previous)
             # Marks the point compute (or the host) must reach before using the copied
             # memory; the compute stream is kept for ``wait``.
             ticket.marks.append((stream, stream.record_event(), compute))
         return ticket
 
     def copy_in(
-        self, pairs: Sequence[CopyPair], after: Sequence[StreamTicket | None] = ()
+        self,
+        pairs: Sequence[CopyPair],
+        after: Sequence[StreamTicket | None] = (),
+        queue: str = ACTIVATIONS,
     ) -> StreamTicket:
-        return self._issue("h2d", pairs, after)
+        ticket = self._issue("h2d", pairs, after, queue)
+        self.hosts.keep(ticket, [host for _, host in pairs])
+        return ticket
 
-    def copy_out(self, pairs: Sequence[CopyPair]) -> StreamTicket:
-        return self._issue("d2h", pairs, ())
+    def copy_out(self, pairs: Sequence[CopyPair], queue: str = ACTIVATIONS) -> StreamTicket:
+        ticket = self._issue("d2h", pairs, (), queue)
+        self.hosts.keep(ticket, [host for _, host in pairs])
+        return ticket
 
     def wait(self, ticket: StreamTicket | None) -> None:
         for _stream, event, compute in ticket.marks if ticket is not None else ():
@@ -293,6 +350,7 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
         for stream in list(self._streams.values()):
             # The host reads or rewrites the host copies next: every copy must be done.
             stream.synchronize()
+        self.hosts.prune()
 
     # ---- session entries ---------------------------------------------------------------
 

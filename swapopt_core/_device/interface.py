@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import statistics
+import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -24,7 +25,35 @@ import torch
 
 from swapopt_core._device.meter import AllocatorMeter, StepMeter, StorageMeter
 
-__all__ = ["AnyRuntime", "CopyPair", "Ticket", "TorchRuntime", "TransferRuntime", "byte_view"]
+__all__ = [
+    "ACTIVATIONS",
+    "OPTIMIZER",
+    "on_queue",
+    "AnyRuntime",
+    "CopyPair",
+    "HostKeeper",
+    "Ticket",
+    "TorchRuntime",
+    "TransferRuntime",
+    "byte_view",
+]
+
+#: The copy queues of a device, one pair (in, out) each: the activation offload's, and the
+#: optimizer swap's. Copy queues are FIFO: with one pair for both halves, a prefetch of the
+#: optimizer's state queued at the first gradient would hold back every activation page-in
+#: backward queues after it.
+ACTIVATIONS = "activations"
+OPTIMIZER = "optimizer"
+
+
+def on_queue(runtime: TransferRuntime[Any, Any, Any], queue: str) -> dict[str, str]:
+    """The keyword arguments that put a copy on ``queue`` where ``runtime`` has it.
+
+    A runtime that declares only one pair of copy queues (``copy_queues``, as runtimes
+    written before there were two) is called without the keyword: both halves share it.
+    """
+    return {"queue": queue} if queue in runtime.copy_queues and queue != ACTIVATIONS else {}
+
 
 #: The two directions of ``measure_duplex_bandwidth``, as its results are keyed.
 _DIRECTIONS = ("d2h", "h2d")
@@ -49,6 +78,52 @@ class Ticket(Protocol):
     def done(self) -> bool:
         """Whether the copies it stands for finished, without blocking."""
         ...
+
+
+class HostKeeper:
+    """Keeps the host memory of queued copies alive until the copies finished.
+
+    A device copies from and into host memory by DMA after the call that queued the copy
+    returned; nothing in the tensor library ties the host buffer to that copy. An owner
+    dropped right after queuing (an optimizer deleted after ``step()``) would free, and
+    unregister, memory a copy is still writing. A runtime ``keep``s each copy's host
+    tensors with its ticket and lets go of them once ``finished`` says so (``prune``,
+    called on every later copy and wait), on the calling thread.
+
+    Args:
+        finished: Whether a ticket's copies finished (without blocking).
+    """
+
+    def __init__(self, finished: Callable[[Any], bool]) -> None:
+        self._finished = finished
+        self._lock = threading.Lock()  # copies are queued from the autograd thread too
+        self._kept: list[tuple[Any, list[Any]]] = []  # oldest first
+
+    def keep(self, ticket: Any, hosts: Sequence[Any]) -> None:
+        """Hold ``hosts`` until the copies of ``ticket`` finished."""
+        if ticket is not None and hosts:
+            with self._lock:
+                self._kept.append((ticket, list(hosts)))
+
+    def prune(self) -> None:
+        """Let go of the host memory of copies that finished."""
+        done: list[tuple[Any, list[Any]]] = []
+        with self._lock:
+            # Oldest first, up to the first that runs: cheap on every call, and a copy
+            # queued behind a slow one on another queue is let go a little later only.
+            while self._kept and self._finished(self._kept[0][0]):
+                done.append(self._kept.pop(0))
+        # The references drop here, outside the lock: a buffer's finalizer may run now.
+        del done
+
+    def clear(self) -> None:
+        """Let go of everything (every copy is known to have finished)."""
+        with self._lock:
+            kept, self._kept = self._kept, []
+        del kept
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
 
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -91,6 +166,9 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
     framework: ClassVar[str] = "torch"
     #: Device types that ``runtime="auto"`` picks this runtime for.
     device_types: ClassVar[tuple[str, ...]] = ()
+    #: The copy queues this runtime keeps apart (``copy_in``/``copy_out`` take ``queue=``
+    #: only when it names more than ``ACTIVATIONS``; see ``on_queue``).
+    copy_queues: ClassVar[tuple[str, ...]] = (ACTIVATIONS,)
     #: Whether ``packed_swap=None`` means packed for this runtime.
     packed_default: ClassVar[bool] = True
     #: Whether ``stamp`` results are read only after ``wait_stamps`` (device events).
@@ -197,6 +275,29 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
                 them failed (``failure``), the memory is not reused: ``tensor`` keeps it.
         """
 
+    def release_ordered(self, tensor: TensorT, after: Sequence[TicketT | None] = ()) -> None:
+        """Give ``tensor``'s device storage back in compute-queue order.
+
+        The compute queue first waits for the ``after`` copies (which still use the
+        memory); the memory is then free at once for work queued later, whose copies wait
+        for that compute first. Unlike ``release_device`` (the allocator holding a block
+        until it sees the copies done), the block is reused without the host ever seeing
+        a copy finish: a step queued in one go keeps reusing the same few blocks. If one of
+        the copies failed, ``tensor`` keeps the memory (as for ``release_device``).
+
+        The default is ``release_device``, for runtimes whose release already waits.
+        """
+        self.release_device(tensor, after)
+
+    #: What ``reserved_bytes`` counts: ``"own"``, only the blocks this runtime's
+    #: ``alloc_device`` handed out (an emulated device); ``"device"``, everything the
+    #: device's allocator holds (an accelerator, whose allocator the whole process shares).
+    reserved_scope: ClassVar[str] = "own"
+
+    def reserved_bytes(self) -> int | None:
+        """Device memory reserved now (see ``reserved_scope``); ``None`` if unknown."""
+        return None
+
     # ---- the whole-step meter ------------------------------------------------------------
 
     def step_meter(self) -> StepMeter:
@@ -219,7 +320,12 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
         device = self.device
         if isinstance(device, torch.device) and device.type not in ("cpu", "meta"):
             return AllocatorMeter(device)
-        return StorageMeter("cpu", self._is_host)
+        return StorageMeter("cpu", self._is_host, self._cached_device_bytes)
+
+    def _cached_device_bytes(self) -> int:
+        """Device bytes an emulated allocator caches or holds for copies (reserved, not
+        handed out); 0 where the runtime has none."""
+        return 0
 
     def _is_host(self, storage: torch.UntypedStorage) -> bool:
         """Whether ``storage`` lies in a host buffer counted with a key (a buffer, or a
@@ -267,13 +373,16 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
 
         The copies start after the compute work queued so far (the device memory may have
         just been given back by it) and after the copies of the ``after`` tickets (which
-        still use the memory, or write the host memory read here).
+        still use the memory, or write the host memory read here). A runtime whose
+        ``copy_queues`` has more than ``ACTIVATIONS`` also takes ``queue=`` (the half
+        that copies): each half then has its own copy queue per direction, so neither
+        waits behind the other's copies.
         """
 
     @abstractmethod
     def copy_out(self, pairs: Sequence[tuple[TensorT, TensorT]]) -> TicketT | None:
         """Queue device-to-host copies of ``(device, host)`` pairs after all compute queued
-        so far; return a ticket."""
+        so far; return a ticket. Takes ``queue=`` as ``copy_in`` does."""
 
     @abstractmethod
     def wait(self, ticket: TicketT | None) -> None:

@@ -92,10 +92,11 @@ class Ticket:
         lane: The lane it was queued on.
     """
 
-    __slots__ = ("_done", "_error", "lane")
+    __slots__ = ("_done", "_error", "lane", "seq")
 
-    def __init__(self, lane: Lane) -> None:
+    def __init__(self, lane: Lane, seq: int = 0) -> None:
         self.lane = lane
+        self.seq = seq  #: its place in the lane's queue (1, 2, ...)
         self._done = threading.Event()
         self._error: BaseException | None = None
 
@@ -108,6 +109,16 @@ class Ticket:
         """What the operation raised, once it ran; ``None`` while it has not, or if it
         succeeded. An operation waiting for a failed ticket of another lane fails too."""
         return self._error if self._done.is_set() else None
+
+    @property
+    def seen(self) -> bool:
+        """Whether the host waited for this point of the lane (``Lane.observe``): what a
+        host that may run any distance ahead of its device knows to be finished."""
+        return self.seq <= self.lane.observed
+
+    def settle(self) -> None:
+        """Block until the operation ran, without raising what it raised."""
+        self._done.wait()
 
     def wait(self) -> None:
         """Block until the operation ran; raise what it raised, if anything.
@@ -161,6 +172,15 @@ class Lane:
         self._closed = False
         self._drained = threading.Event()  # set once a closed lane's thread has ended
         self._rng = random.Random()  # jitter of operations run on the caller's thread
+        self._issued = 0  # tickets handed out (the last one's ``seq``)
+        #: The last ``seq`` the host waited for: every ticket up to it is ``seen``.
+        self.observed = 0
+
+    def observe(self, ticket: Ticket) -> None:
+        """The host waited for ``ticket``: it and everything queued before it are ``seen``."""
+        with self._lock:
+            if ticket.lane is self and ticket.seq > self.observed:
+                self.observed = ticket.seq
 
     def submit(
         self,
@@ -180,10 +200,11 @@ class Lane:
             The ticket of this operation (already done if the lane is closed: the
             operation then ran on the calling thread, after everything queued before).
         """
-        ticket = Ticket(self)
         waits = tuple(t for t in after if t is not None and t.lane is not self)
-        job = (operation, waits, ticket)
         with self._lock:  # a job is queued before the stop of a concurrent close, or not
+            self._issued += 1
+            ticket = Ticket(self, self._issued)
+            job = (operation, waits, ticket)
             if not self._closed:
                 self._start()
                 self._queue.put(job)

@@ -5,19 +5,20 @@ copied), only synchronously. This is how the engine and the activation offload a
 exercised without an accelerator; ``runtime="auto"`` also uses it for activations on device
 types no runtime declares.
 
-Released "device" memory goes back to a pool the next allocation of the same size takes,
-as CUDA's caching allocator keeps freed blocks: without it every step would fault in fresh
-pages (large blocks come straight from the OS on the CPU), a cost no device has.
+Released "device" memory goes back to a caching pool (``caching_pool``) that later
+allocations take from, by CUDA's caching allocator's rules: without it every step would
+fault in fresh pages (large blocks come straight from the OS on the CPU), a cost no device
+has, and the reserved memory a device would hold could not be told.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from swapopt_core._device.caching_pool import CachingPool
 from swapopt_core._device.interface import CopyPair, TransferRuntime
 
 __all__ = ["LoopbackRuntime"]
@@ -35,8 +36,7 @@ class LoopbackRuntime(TransferRuntime[torch.Tensor, torch.device, Any]):
 
     def __init__(self) -> None:
         super().__init__()
-        self._pool: dict[int, list[torch.UntypedStorage]] = {}  # free blocks by size
-        self._pool_lock = threading.Lock()  # releases may run on a copy lane's thread
+        self.pool = CachingPool()  # the emulated device's blocks
 
     @classmethod
     def shared_key(cls, device: torch.device | None) -> object:
@@ -54,28 +54,31 @@ class LoopbackRuntime(TransferRuntime[torch.Tensor, torch.device, Any]):
         return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
 
     def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
-        with self._pool_lock:
-            free = self._pool.get(nbytes)
-            storage = free.pop() if free else None
-        if storage is None:
-            tensor = torch.empty(numel, dtype=dtype, device=device)
-        else:
-            tensor = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
+        self._collect()
+        storage = self.pool.take(numel * dtype.itemsize)
+        tensor = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
         self._note_alloc(tensor)
         return tensor
+
+    def _collect(self) -> None:
+        """Give back the blocks held for copies now seen finished (an allocation's first
+        step, as CUDA's allocator processes its events); none are held here."""
 
     def release_device(self, tensor: torch.Tensor, after: Sequence[Any] = ()) -> None:
         self._recycle(tensor)
 
+    def reserved_bytes(self) -> int:
+        return self.pool.reserved
+
+    def _cached_device_bytes(self) -> int:
+        return self.pool.cached
+
     def _recycle(self, tensor: torch.Tensor) -> None:
-        """Empty ``tensor`` and keep its memory for the next allocation of its size."""
+        """Empty ``tensor`` and give its block back to the pool."""
         storage = tensor.untyped_storage()
         tensor.set_()  # type: ignore[call-overload]  # the tensor handed out is empty now
         self._note_release(storage)  # in the pool: no longer held by the step
-        if storage.nbytes():
-            with self._pool_lock:
-                self._pool.setdefault(storage.nbytes(), []).append(storage)
+        self.pool.give(storage)
 
     def copy_in(self, pairs: Sequence[CopyPair], after: Sequence[Any] = ()) -> Any:
         for device_tensor, host_tensor in pairs:

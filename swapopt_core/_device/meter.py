@@ -7,8 +7,10 @@ forward, backward and the optimizer's update together. A window opens with ``beg
 state) and closes with ``end()``, which returns the window's peak in bytes.
 
 * ``AllocatorMeter`` (accelerators): the device allocator's own counters, through torch's
-  device-generic ``torch.accelerator`` memory statistics. The peak counts every byte the
-  allocator handed out (the whole process on that device), kernel scratch included.
+  device-generic ``torch.accelerator`` memory statistics, allocated and reserved. The peak
+  counts every byte the allocator handed out (the whole process on that device), kernel
+  scratch included. It never resets the allocator's peak statistics: they are the user's
+  (``torch.cuda.max_memory_allocated``).
 * ``StorageMeter`` (the loopback runtimes, where CPU memory plays the device): every storage
   the step holds, counted exactly. Each storage an op reads or writes during the window (a
   ``TorchDispatchMode`` pushed for the window), each storage ``held`` names and each buffer
@@ -16,7 +18,8 @@ state) and closes with ``end()``, which returns the window's peak in bytes.
   dies, the runtime takes it back (``release_device``) or swapopt resizes it in place
   (``note_resized``: activations released to zero bytes and restored). The runtime's host
   buffers never count. Scratch memory a kernel allocates and frees inside one op is not
-  seen, as it never becomes a storage the step holds.
+  seen, as it never becomes a storage the step holds. Reserved is that count plus what the
+  runtime's emulated allocator caches or holds back for copies (``caching_pool``).
 
 Windows do not nest: ``begin`` while a window is open starts a new one (the old one's peak
 is dropped). ``end`` on a closed meter returns the last window's peak again.
@@ -77,6 +80,12 @@ class StepMeter(ABC):
         """Close the window and return its peak in bytes (on a closed meter: the last
         window's peak again, 0 before the first)."""
 
+    @property
+    def peak_reserved_bytes(self) -> int:
+        """The most device memory reserved at once since ``begin`` (held plus what the
+        allocator keeps cached or holds back for copies); the last window's when closed."""
+        return self.peak_bytes
+
     @abstractmethod
     def restart_peak(self) -> int:
         """Return the peak so far and start the peak again from what is held now (a
@@ -88,10 +97,15 @@ class StepMeter(ABC):
 
 
 class AllocatorMeter(StepMeter):
-    """The accelerator allocator's counters for one device.
+    """The accelerator allocator's counters for one device, read without resetting them.
 
-    ``begin`` resets the allocator's peak (so the window's peak starts at what is allocated
-    then); code that resets it too during the window shortens the window.
+    The allocator keeps one peak per process, which the user reads too
+    (``max_memory_allocated``); resetting it would take that figure from them. So a
+    window's peak is the larger of the readings taken at its points (``begin``, each phase
+    change, ``end``, and each device allocation or resize swapopt makes: ``resized``) and
+    the allocator's own peak when that rose during the window (a new high was reached
+    inside it). A peak inside the window that stayed below an earlier high is seen only at
+    those points: then the figure is a lower bound.
 
     Args:
         device: The accelerator device measured.
@@ -100,32 +114,69 @@ class AllocatorMeter(StepMeter):
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
+        self._base = (0, 0)  # the allocator's (allocated, reserved) peaks at the window start
+        self._seen = [0, 0]  # the highest (allocated, reserved) read during the window
+        self._last_reserved = 0
+
+    def _read(self) -> tuple[int, int]:
+        return (
+            int(torch.accelerator.memory_allocated(self.device)),
+            int(torch.accelerator.memory_reserved(self.device)),
+        )
+
+    def _peaks(self) -> tuple[int, int]:
+        return (
+            int(torch.accelerator.max_memory_allocated(self.device)),
+            int(torch.accelerator.max_memory_reserved(self.device)),
+        )
+
+    def _start(self) -> None:
+        self._base = self._peaks()
+        self._seen = list(self._read())
 
     def begin(self, held: Iterable[torch.Tensor] = ()) -> None:
         # The allocator already counts everything held: ``held`` adds nothing here.
-        torch.accelerator.reset_peak_memory_stats(self.device)
+        self._start()
         self.is_open = True
+
+    def resized(self, storage: Any) -> None:
+        if self.is_open:
+            allocated, reserved = self._read()
+            self._seen = [max(self._seen[0], allocated), max(self._seen[1], reserved)]
 
     @property
     def current_bytes(self) -> int:
         return int(torch.accelerator.memory_allocated(self.device))
 
+    def _window(self, index: int) -> int:
+        now = self._read()[index]
+        high = self._peaks()[index]
+        seen = max(self._seen[index], now)
+        return max(seen, high) if high > self._base[index] else seen
+
     @property
     def peak_bytes(self) -> int:
         if not self.is_open:
             return self._last_peak
-        return int(torch.accelerator.max_memory_allocated(self.device))
+        return self._window(0)
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        if not self.is_open:
+            return self._last_reserved
+        return self._window(1)
 
     def end(self) -> int:
         if self.is_open:
             self._last_peak = self.peak_bytes
+            self._last_reserved = self.peak_reserved_bytes
             self.is_open = False
         return self._last_peak
 
     def restart_peak(self) -> int:
         peak = self.peak_bytes
         if self.is_open:
-            torch.accelerator.reset_peak_memory_stats(self.device)
+            self._start()
         return peak
 
 
@@ -137,10 +188,18 @@ class StorageMeter(StepMeter):
         is_host: Whether a storage is one of the runtime's host buffers (never counted).
     """
 
-    def __init__(self, device_type: str, is_host: Callable[[torch.UntypedStorage], bool]) -> None:
+    def __init__(
+        self,
+        device_type: str,
+        is_host: Callable[[torch.UntypedStorage], bool],
+        cached: Callable[[], int] | None = None,
+    ) -> None:
         super().__init__()
         self.device_type = device_type
         self._is_host = is_host
+        self._cached = cached or (lambda: 0)
+        self._peak_reserved = 0
+        self._last_reserved = 0
         # Storages counted: identity -> [weak reference, bytes counted]. Deaths and
         # releases may come from a copy lane's thread, hence the (reentrant) lock.
         self._live: dict[int, list[Any]] = {}
@@ -163,6 +222,8 @@ class StorageMeter(StepMeter):
                 if isinstance(tensor, torch.Tensor):
                     self._see_tensor(tensor)
             self._peak = self._current
+            self._peak_reserved = 0
+            self._bump()
         self._mode = _MeterMode(self)
         self._mode.__enter__()
 
@@ -174,9 +235,14 @@ class StorageMeter(StepMeter):
     def peak_bytes(self) -> int:
         return self._peak if self.is_open else self._last_peak
 
+    @property
+    def peak_reserved_bytes(self) -> int:
+        return self._peak_reserved if self.is_open else self._last_reserved
+
     def end(self) -> int:
         if self.is_open:
             self._last_peak = self._peak
+            self._last_reserved = self._peak_reserved
             self._close()
         return self._last_peak
 
@@ -186,6 +252,14 @@ class StorageMeter(StepMeter):
             if self.is_open:
                 self._peak = self._current
             return peak
+
+    def _bump(self) -> None:
+        """Take the peaks (called with ``_lock`` held, after ``_current`` changed)."""
+        if self._current > self._peak:
+            self._peak = self._current
+        reserved = self._current + self._cached()
+        if reserved > self._peak_reserved:
+            self._peak_reserved = reserved
 
     def _close(self) -> None:
         mode, self._mode = self._mode, None
@@ -208,8 +282,7 @@ class StorageMeter(StepMeter):
             return
         with self._lock:
             self._see(storage)
-            if self._current > self._peak:
-                self._peak = self._current
+            self._bump()
 
     def forget(self, storage: torch.UntypedStorage) -> None:
         """The runtime took ``storage`` back (a pool keeps it): it no longer counts."""
@@ -219,6 +292,7 @@ class StorageMeter(StepMeter):
             entry = self._live.pop(storage._cdata, None)
             if entry is not None:
                 self._current -= entry[1]
+            self._bump()  # a block given back to the pool is still reserved
 
     def after_op(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Count what an op read and wrote (its outputs may be new, its inputs resized)."""
@@ -227,8 +301,7 @@ class StorageMeter(StepMeter):
                 return
             for tensor in _tensors(args, kwargs, out):
                 self._see_tensor(tensor)
-            if self._current > self._peak:
-                self._peak = self._current
+            self._bump()
 
     def _see_tensor(self, tensor: torch.Tensor) -> None:
         try:

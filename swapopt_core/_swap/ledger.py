@@ -29,9 +29,36 @@ class DeviceLedger:
         self.add(nbytes - self.held)
         self.held = nbytes
 
-    def open_window(self) -> None:
-        """Start a new ``window_peak`` from what is held now."""
+    #: What ``note_reserved`` subtracts from a reserved figure: the memory reserved at
+    #: the window's start that was not the swap's (``None``: reserved is not known).
+    _reserved_base: int | None = None
+
+    def open_window(self, reserved: int | None = None, scope: str = "own") -> None:
+        """Start a new ``window_peak`` from what is held now.
+
+        Args:
+            reserved: The runtime's ``reserved_bytes()`` now (``None``: unknown).
+            scope: The runtime's ``reserved_scope``: ``"own"`` (every reserved byte is
+                the runtime's, so the swap's) or ``"device"`` (the whole device's: only
+                growth during the step beyond the swap's own bytes is the swap's).
+        """
         self.window_peak = self.current
+        if reserved is None:
+            self._reserved_base = None
+        else:
+            self._reserved_base = 0 if scope == "own" else reserved - self.current
+        self.note_reserved(reserved)
+
+    def note_reserved(self, reserved: int | None) -> None:
+        """Take a reading of the device's reserved memory into ``reserved_peak``.
+
+        The swap held at least what the books say (``current``); with the allocator's
+        reading, also the blocks it reserved and could not reuse yet.
+        """
+        sample = self.current
+        if reserved is not None and self._reserved_base is not None:
+            sample = max(sample, reserved - self._reserved_base)
+        self.reserved_peak = max(self.reserved_peak, sample)
 
     def add(self, nbytes: int) -> None:
         """Count ``nbytes`` more held on the device."""

@@ -3,12 +3,18 @@
 Order of operations (queues: compute, copy in, copy out)::
 
     stage+copy_in(0)
-    for i: stage+copy_in(i+1) -> unstage(i-1 after its copy out)
-           -> wait(in i) -> update(i) -> copy_out(i)
+    for i: stage+copy_in(i+1) -> wait(in i) -> update(i) -> copy_out(i)
+           -> unstage(i-1 after its copy out)
 
 The two copy queues run at the same time (full duplex), so three batches have device
-memory at once: one going out, one updating, one coming in. Device memory is given back
-ordered after the copies that use it, never by blocking the host.
+memory at once: one going out, one updating, one coming in. Device memory is given back in
+compute-queue order (``release_ordered``): compute waits for batch i-1's copy out once
+update(i) is queued (that copy ran beside update(i), so the wait costs little), and the
+block is free at once for batch i+2, whose copy in waits for that compute. No host sync,
+and no ``record_stream``: the caching allocator would hold such a block until the host saw
+the copy finish, which a host that queues the whole step in one go never does inside the
+step, so every batch would take new memory. The copies go on the optimizer's own copy
+queues (``OPTIMIZER``), so a prefetch never holds back an activation's copy.
 
 The step ends once its copies are queued: no host sync. The next step's pipeline is given
 this one (``previous``): each copy in waits for the copy out that last wrote the host memory
@@ -44,7 +50,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from swapopt_core._device.interface import AnyRuntime
+from swapopt_core._device.interface import OPTIMIZER, AnyRuntime, on_queue
 from swapopt_core._swap.ops import SwapSlot
 from swapopt_core._swap.staging import Staged, Staging
 
@@ -100,7 +106,7 @@ def write_back(kept: list[Staged], staging: Staging, runtime: AnyRuntime) -> Non
     """
     while kept:
         batch = kept[0]
-        ticket = runtime.copy_out(batch.pairs)
+        ticket = runtime.copy_out(batch.pairs, **on_queue(runtime, OPTIMIZER))
         # The host copy is the state from now on: it must have landed before the device
         # storage that holds the only other copy is given up.
         runtime.host_wait(ticket)
@@ -193,7 +199,9 @@ class Pipeline:
 
     def _copy_in(self, j: int, batch: Staged) -> None:
         # Written only after the host memory it reads was written by the previous step.
-        self.tickets[j] = self.runtime.copy_in(batch.pairs, self.host_ready[j])
+        self.tickets[j] = self.runtime.copy_in(
+            batch.pairs, self.host_ready[j], **on_queue(self.runtime, OPTIMIZER)
+        )
         self.h2d += batch.copy_bytes
 
     def refetch(self, j: int) -> None:
@@ -273,16 +281,20 @@ class Pipeline:
             for i in range(n):
                 if i + 1 < n:
                     self._fetch(i + 1)
-                if i:
-                    self._leave(i - 1)
                 batch = self.staged[i]
                 assert batch is not None
                 self.runtime.wait(self.tickets[i])
                 update(i, batch.views)
                 unwritten = i
-                self.tickets[i] = self.last_out = self.runtime.copy_out(batch.pairs)
+                self.tickets[i] = self.last_out = self.runtime.copy_out(
+                    batch.pairs, **on_queue(self.runtime, OPTIMIZER)
+                )
                 unwritten = None
                 self.d2h += batch.copy_bytes
+                if i:
+                    # After update(i) is queued: compute waits for this copy out only
+                    # once the update it overlapped with is in its queue.
+                    self._leave(i - 1)
             if n:
                 self._leave(n - 1)
         except BaseException:

@@ -65,6 +65,8 @@ class Staging:
     def _own(self, staged: Staged, numel: int, dtype: Any, device: Any, nbytes: int) -> Any:
         flat = self.runtime.alloc_device(numel, dtype, device)
         self.ledger.add(nbytes)
+        # Where reserved memory can grow: the allocator may not have reused a block.
+        self.ledger.note_reserved(self.runtime.reserved_bytes())
         staged.owned.append((flat, nbytes))
         staged.memory.append((flat, nbytes))
         staged.copy_bytes += nbytes
@@ -95,7 +97,8 @@ class Staging:
             flat, nbytes = staged.owned.pop(0)
             self.ledger.sub(nbytes)
             try:
-                self.runtime.release_device(flat, (after,))
+                # In compute-queue order: reused at once by work queued after this point.
+                self.runtime.release_ordered(flat, (after,))
             except BaseException as exc:  # keep releasing; report the first failure
                 error = error or exc
         if error is not None:

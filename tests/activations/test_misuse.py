@@ -367,25 +367,27 @@ def test_page_locking_is_tried_per_buffer_and_warned_once(
 def test_cuda_copies_keep_blocks_by_events_not_record_stream(
     fake_cuda: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    class Event:
+        def query(self) -> bool:
+            return True
+
     class Stream:
         def wait_stream(self, other: object) -> None:
             pass
 
-        def record_event(self) -> str:
-            return "event"
+        def record_event(self) -> Event:
+            return Event()
 
-        def __enter__(self) -> None:
-            pass
-
-        def __exit__(self, *exc: object) -> None:
+        def synchronize(self) -> None:
             pass
 
     recorded = []
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: recorded.append(s))
     monkeypatch.setattr(torch, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.accelerator, "set_stream", lambda stream: None)
     runtime = AcceleratorRuntime(torch.device("cuda", 0))
     storage = torch.arange(8, dtype=torch.float32).untyped_storage()
     host = torch.empty(storage.nbytes(), dtype=torch.uint8)
-    assert runtime.copy_out([(byte_view(storage), host)]).marks[0][1] == "event"
-    assert runtime.copy_in([(byte_view(storage), host)]).marks[0][1] == "event"
+    assert isinstance(runtime.copy_out([(byte_view(storage), host)]).marks[0][1], Event)
+    assert isinstance(runtime.copy_in([(byte_view(storage), host)]).marks[0][1], Event)
     assert recorded == []

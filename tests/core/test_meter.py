@@ -58,8 +58,7 @@ class Census(TorchDispatchMode):
             self.known[storage._cdata] = weakref.ref(storage)
 
     def held_bytes(self) -> int:
-        with self.runtime._pool_lock:
-            pooled = {s._cdata for blocks in self.runtime._pool.values() for s in blocks}
+        pooled = {s._cdata for s in self.runtime.pool.free_storages()}
         hosts = [(a, a + n) for a, n in self.runtime._pinned.items()]
         total = 0
         for key, ref in self.known.items():
@@ -253,22 +252,37 @@ def test_each_runtime_instance_has_one_meter() -> None:
     assert isinstance(AcceleratorRuntime(torch.device("cuda", 0)).step_meter(), AllocatorMeter)
 
 
-def test_the_accelerator_meter_reads_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
-    allocated = {"now": 100, "peak": 700}
-    calls: list[Any] = []
+def test_the_accelerator_meter_reads_the_allocator_and_never_resets_its_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The allocator's peak is the user's (``max_memory_allocated``): the meter reads it and
+    its current counters, allocated and reserved, and never resets them."""
+    counters = {"now": 100, "peak": 700, "reserved": 1000, "max_reserved": 1500}
+    resets: list[Any] = []
     monkeypatch.setattr(
-        torch.accelerator, "reset_peak_memory_stats", lambda device=None: calls.append(device)
+        torch.accelerator, "reset_peak_memory_stats", lambda device=None: resets.append(device)
     )
-    monkeypatch.setattr(torch.accelerator, "memory_allocated", lambda d=None: allocated["now"])
-    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda d=None: allocated["peak"])
+    monkeypatch.setattr(torch.accelerator, "memory_allocated", lambda d=None: counters["now"])
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda d=None: counters["peak"])
+    monkeypatch.setattr(torch.accelerator, "memory_reserved", lambda d=None: counters["reserved"])
+    monkeypatch.setattr(
+        torch.accelerator, "max_memory_reserved", lambda d=None: counters["max_reserved"]
+    )
     cuda1 = torch.device("cuda", 1)
     meter = AcceleratorRuntime(cuda1).step_meter()
     meter.begin([torch.ones(3)])  # the allocator counts what is held: nothing to add
-    assert calls == [cuda1] and meter.is_open
-    assert (meter.current_bytes, meter.peak_bytes) == (100, 700)
-    assert meter.end() == 700
-    allocated["peak"] = 9000  # later allocations belong to no window
-    assert meter.peak_bytes == 700 and meter.end() == 700 and not meter.is_open
+    assert meter.is_open and meter.current_bytes == 100
+    # The user's earlier high (700) is not this window's: only what was read in it.
+    assert (meter.peak_bytes, meter.peak_reserved_bytes) == (100, 1000)
+    counters["now"], counters["reserved"] = 400, 1200
+    meter.resized(None)  # swapopt allocated: a reading
+    counters["now"] = 150
+    assert (meter.peak_bytes, meter.peak_reserved_bytes) == (400, 1200)
+    counters["peak"], counters["max_reserved"] = 900, 1600  # a new high inside the window
+    assert meter.end() == 900 and meter.peak_reserved_bytes == 1600
+    counters["peak"] = 9000  # later allocations belong to no window
+    assert meter.peak_bytes == 900 and meter.end() == 900 and not meter.is_open
+    assert resets == []  # the user's max_memory_allocated is left alone
 
 
 # ---- whole steps against the census --------------------------------------------------------

@@ -213,7 +213,7 @@ def test_a_copy_out_that_keeps_failing_keeps_the_batch_until_it_can_be_written()
     runtime = engine_of(opt).runtime
     original = runtime.copy_out
 
-    def broken(pairs):  # noqa: ANN001, ANN202
+    def broken(pairs, **kw):  # noqa: ANN001, ANN003, ANN202
         raise Injected("copy engine down")
 
     runtime.copy_out = broken
@@ -282,10 +282,10 @@ def _fail_on_lane(runtime: object, at: int, seen: list[str]) -> None:
     (the call itself returns its ticket), as in torch's test_lane_faults.py."""
     original, calls = runtime.copy_out, [0]
 
-    def failing(pairs):  # noqa: ANN001, ANN202
+    def failing(pairs, **kw):  # noqa: ANN001, ANN003, ANN202
         calls[0] += 1
         if calls[0] != at:
-            return original(pairs)
+            return original(pairs, **kw)
         lane = runtime.d2h
         submit = lane.submit
 
@@ -298,7 +298,7 @@ def _fail_on_lane(runtime: object, at: int, seen: list[str]) -> None:
 
         lane.submit = poisoned
         try:
-            return original(pairs)
+            return original(pairs, **kw)
         finally:
             del lane.submit
 

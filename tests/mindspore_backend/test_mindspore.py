@@ -271,11 +271,11 @@ def test_an_interrupted_step_finishes_exactly_when_repeated(packed, runtime):
     original = runtime.copy_in
     calls = {"n": 0}
 
-    def flaky(pairs, after=()):
+    def flaky(pairs, after=(), **kw):
         calls["n"] += 1
         if calls["n"] == 3:  # the third batch of the step: the first is already updated
             raise RuntimeError("copy engine hiccup")
-        return original(pairs, after)
+        return original(pairs, after, **kw)
 
     for step in range(4):
         grads = grads_for(step, params)

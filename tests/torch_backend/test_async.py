@@ -167,11 +167,11 @@ def test_a_failing_prefetch_does_not_stop_backward(monkeypatch: pytest.MonkeyPat
     original = runtime.copy_in
     calls = []
 
-    def failing(pairs, after=()):  # noqa: ANN001, ANN202
+    def failing(pairs, after=(), **kw):  # noqa: ANN001, ANN003, ANN202
         calls.append(True)
         if len(calls) == 1:
             raise RuntimeError("copy engine down")
-        return original(pairs, after)
+        return original(pairs, after, **kw)
 
     monkeypatch.setattr(runtime, "copy_in", failing)
     _backward(model, opt, 2)  # the prefetch fails and is given back; backward finishes

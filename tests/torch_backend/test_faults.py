@@ -29,6 +29,7 @@ RUNTIME_CALLS = (
     "copy_out",
     "alloc_device",
     "release_device",
+    "release_ordered",
     "wait",
     "host_wait",
     "synchronize",

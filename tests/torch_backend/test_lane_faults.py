@@ -100,7 +100,8 @@ def _fail_on_lane(runtime: object, name: str, at: int, seen: list[str]) -> None:
         calls[0] += 1
         if calls[0] != at:
             return original(*args, **kwargs)
-        lane = getattr(runtime, LANES[name], None)
+        pick = getattr(runtime, "lane", None)  # the lane of the queue the call names
+        lane = None if pick is None else pick(LANES[name], kwargs.get("queue", "activations"))
         if lane is None:
             seen.append(threading.current_thread().name)
             raise Injected(f"{name} call {at}")
@@ -271,14 +272,17 @@ def test_a_failure_the_next_step_meets_first_fails_that_step_and_the_retry_recov
     the step raises. Retrying writes the kept batch back and finishes the step exactly."""
     plain_model = _model()
     plain = torch.optim.Adam(plain_model.parameters(), lr=1e-2)
-    model, opt = _swapped("loopback-async", MODES[mode], 3, prefetch=True)
+    # No prefetch: its allocation during backward would take a block freed in compute
+    # order after step 1's gated copies out, and the CPU's compute queue (the caller)
+    # would wait for them there, before the gate opens.
+    model, opt = _swapped("loopback-async", MODES[mode], 3, prefetch=False)
     for seed in (0, 1, 2):
         _train(plain_model, plain, seed)
     _train(model, opt, 0)
     swap_stats(opt)
     engine = engine_of(opt)
     gate = threading.Event()
-    engine.runtime.d2h.submit(gate.wait)  # step 1's copies out wait behind this
+    engine.runtime.lane("d2h", "optimizer").submit(gate.wait)  # step 1's copies out wait
     settle = engine.settle
 
     def settle_then_open() -> None:  # step 2 starts knowing of no failure

@@ -131,7 +131,7 @@ def test_a_failed_copy_out_twice_keeps_the_batch_on_the_device_until_written_bac
     _backward(swapped_model, 0)
     runtime = engine_of(swapped).runtime
     original = runtime.copy_out
-    runtime.copy_out = lambda pairs: (_ for _ in ()).throw(_Boom("copy engine down"))
+    runtime.copy_out = lambda pairs, **kw: (_ for _ in ()).throw(_Boom("copy engine down"))
     with pytest.raises(_Boom):
         swapped.step()
     stats = swap_stats(swapped)
@@ -149,7 +149,7 @@ def test_a_failed_copy_out_twice_keeps_the_batch_on_the_device_until_written_bac
 def test_a_failed_release_leaves_the_stats_true(packed: bool) -> None:
     # Before: resident_state_bytes read 256 (per-tensor) or -16384 (packed) for good.
     plain_model, plain, swapped_model, swapped = _pair(packed)
-    _fail_once(engine_of(swapped).runtime, "release_device", _Boom, at=1)
+    _fail_once(engine_of(swapped).runtime, "release_ordered", _Boom, at=1)
     swapped.zero_grad()
     _backward(swapped_model, 0)
     with pytest.raises(_Boom):
@@ -245,8 +245,8 @@ def test_ctrl_c_during_a_step_is_delivered_once_the_step_is_complete(packed: boo
     original = runtime.copy_out
     sent = []
 
-    def copy_out_then_ctrl_c(pairs):  # noqa: ANN001, ANN202
-        result = original(pairs)
+    def copy_out_then_ctrl_c(pairs, **kw):  # noqa: ANN001, ANN003, ANN202
+        result = original(pairs, **kw)
         if not sent:
             sent.append(True)
             signal.raise_signal(signal.SIGINT)  # between two lines of the pipeline
@@ -270,11 +270,11 @@ def test_a_second_ctrl_c_interrupts_the_step_at_once() -> None:
     original = runtime.copy_in
     calls = []
 
-    def copy_in_with_two_ctrl_c(pairs, after=()):  # noqa: ANN001, ANN202
+    def copy_in_with_two_ctrl_c(pairs, after=(), **kw):  # noqa: ANN001, ANN003, ANN202
         calls.append(True)
         signal.raise_signal(signal.SIGINT)
         signal.raise_signal(signal.SIGINT)
-        return original(pairs, after)
+        return original(pairs, after, **kw)
 
     runtime.copy_in = copy_in_with_two_ctrl_c
     swapped.zero_grad()
@@ -299,7 +299,7 @@ def test_unswap_right_after_a_failure_gives_a_working_plain_optimizer(
     engine = engine_of(swapped)
     if fault == "copy_out-kept":
         original = engine.runtime.copy_out
-        engine.runtime.copy_out = lambda pairs: (_ for _ in ()).throw(_Boom("down"))
+        engine.runtime.copy_out = lambda pairs, **kw: (_ for _ in ()).throw(_Boom("down"))
     else:
         _fail_once(engine.adapter, "update", _Boom, at=2, after=True)
     with pytest.raises(_Boom):

@@ -37,10 +37,11 @@ class SwapStats:
         prefetch_batches: Batches prefetched during backward (0 when switched off or the
             backend has no prefetch).
         peak_reserved_state_bytes: The most device memory the swap held reserved during a
-            step since install, blocks the allocator could not reuse yet included: on an
-            accelerator the state staged at once or the growth of the device's reserved
-            memory during the step, whichever is larger; on ``loopback-async`` the emulated
-            allocator's blocks (handed out, cached, or held back for a copy). Next to
+            step since install, blocks the allocator could not reuse yet included: the
+            state staged at once, or the growth of reserved memory during the step on top
+            of what the swap held at its start, whichever is larger (an accelerator's
+            allocator; on ``loopback-async`` the emulated one, whose blocks are handed out,
+            cached, or held back for a copy). Next to
             ``peak_resident_state_bytes`` (what the books say was staged), it shows memory
             the allocator kept besides.
         pinned_fallback_buffers: Host buffers of the swapped state left pageable because

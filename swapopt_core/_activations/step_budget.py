@@ -30,6 +30,7 @@ from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.meter import AllocatorMeter, StepMeter
 from swapopt_core._planning.floor import format_bytes
 from swapopt_core._planning.index import TraceIndex
+from swapopt_core._planning.update_model import HELD_BATCHES
 from swapopt_core._planning.whole_step import (
     StepInputs,
     StepPlan,
@@ -300,10 +301,15 @@ class StepBudget:
             return
         largest = max(costs.unit_bytes, default=0)
         if self._update_extra is not None and largest:
-            # The first update ran one parameter per batch: what it held beyond its start,
-            # over the largest parameter's state, is what a batch costs with everything in
-            # (staging, the undo copy, the update's temporaries), as the meter saw it.
-            measured = self._update_extra / largest * _BATCH_MARGIN
+            # The first update ran one parameter per batch. Its staging (what the ledger saw
+            # staged at once) says little of batches of equal size, whose three staged ones
+            # are all as large as the largest; what it held besides (the undo copy, the
+            # update's temporaries), over the largest parameter's state, is a batch's own
+            # price. A batch then costs the pipeline's three staged batches plus that.
+            ledger = self.engine.ledger
+            staged = max(0, ledger.window_peak - ledger.held)
+            besides = max(0, self._update_extra - staged) / largest
+            measured = max(self._update_extra / largest, HELD_BATCHES + besides) * _BATCH_MARGIN
             costs = dataclasses.replace(costs, staging_factor=max(costs.staging_factor, measured))
         ready = tuple(self.executor.gradient_ready)
         start = min((op for op, _ in ready), default=None)

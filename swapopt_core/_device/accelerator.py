@@ -263,8 +263,6 @@ class AcceleratorRuntime(TransferRuntime[torch.Tensor, torch.device, StreamTicke
             self.wait(ticket)
         tensor.untyped_storage().resize_(0)
 
-    reserved_scope = "device"
-
     def reserved_bytes(self) -> int:
         return int(torch.accelerator.memory_reserved(self.device))
 

@@ -289,13 +289,9 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
         """
         self.release_device(tensor, after)
 
-    #: What ``reserved_bytes`` counts: ``"own"``, only the blocks this runtime's
-    #: ``alloc_device`` handed out (an emulated device); ``"device"``, everything the
-    #: device's allocator holds (an accelerator, whose allocator the whole process shares).
-    reserved_scope: ClassVar[str] = "own"
-
     def reserved_bytes(self) -> int | None:
-        """Device memory reserved now (see ``reserved_scope``); ``None`` if unknown."""
+        """Device memory reserved now: on an accelerator everything its allocator holds, on
+        an emulated device the blocks of this runtime's allocator; ``None`` if unknown."""
         return None
 
     # ---- the whole-step meter ------------------------------------------------------------
@@ -347,6 +343,10 @@ class TransferRuntime(ABC, Generic[TensorT, DeviceT, TicketT]):
         """``alloc_device`` handed out ``tensor``: an open storage count counts it (a
         prefetch during backward allocates outside every dispatch mode)."""
         meter = self._step_meter
+        if isinstance(meter, StorageMeter):
+            # A cached block handed out whole may be larger than asked for; CUDA would have
+            # split it: the request is what the step holds.
+            meter.requested(tensor.untyped_storage(), tensor.numel() * tensor.element_size())
         if meter is not None and meter.is_open:
             meter.resized(tensor.untyped_storage())
 

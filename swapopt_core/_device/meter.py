@@ -200,6 +200,10 @@ class StorageMeter(StepMeter):
         self._cached = cached or (lambda: 0)
         self._peak_reserved = 0
         self._last_reserved = 0
+        # Blocks the runtime handed out for fewer bytes than they have: counted at that.
+        self._requested: weakref.WeakKeyDictionary[torch.UntypedStorage, int] = (
+            weakref.WeakKeyDictionary()
+        )
         # Storages counted: identity -> [weak reference, bytes counted]. Deaths and
         # releases may come from a copy lane's thread, hence the (reentrant) lock.
         self._live: dict[int, list[Any]] = {}
@@ -284,8 +288,19 @@ class StorageMeter(StepMeter):
             self._see(storage)
             self._bump()
 
+    def requested(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """The runtime handed out ``storage`` for ``nbytes`` (its block may be larger, as an
+        allocator's cached block is before it is split): count it at ``nbytes``."""
+        with self._lock:
+            if nbytes < storage.nbytes():
+                self._requested[storage] = nbytes
+            else:
+                self._requested.pop(storage, None)
+
     def forget(self, storage: torch.UntypedStorage) -> None:
         """The runtime took ``storage`` back (a pool keeps it): it no longer counts."""
+        with self._lock:
+            self._requested.pop(storage, None)
         if not self.is_open:
             return
         with self._lock:
@@ -314,6 +329,8 @@ class StorageMeter(StepMeter):
         key = storage._cdata
         entry = self._live.get(key)
         nbytes = storage.nbytes()
+        if nbytes:
+            nbytes = self._requested.get(storage, nbytes)
         if entry is not None:
             self._current += nbytes - entry[1]
             entry[1] = nbytes

@@ -235,7 +235,7 @@ class EngineBase(ABC):
             batches = [[units[k] for k in run] for run in runs]
             plan = [[s for u in batch for s in u.slots] for batch in batches]
             timing = self.meter.timing(self.runtime, resumed)
-            self.ledger.open_window(self.runtime.reserved_bytes(), self.runtime.reserved_scope)
+            self.ledger.open_window(self.runtime.reserved_bytes())
             with self.computing():
                 pipeline = self._run_batches(work, memory, lead, batches, plan, resumed, timing)
             # Until the observers have seen the step, a retry of the call only tells them again.

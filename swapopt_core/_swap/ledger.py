@@ -29,24 +29,21 @@ class DeviceLedger:
         self.add(nbytes - self.held)
         self.held = nbytes
 
-    #: What ``note_reserved`` subtracts from a reserved figure: the memory reserved at
-    #: the window's start that was not the swap's (``None``: reserved is not known).
+    #: What ``note_reserved`` subtracts from a reserved reading: the memory reserved at the
+    #: window's start beyond what the swap held then (``None``: reserved is not known).
     _reserved_base: int | None = None
 
-    def open_window(self, reserved: int | None = None, scope: str = "own") -> None:
+    def open_window(self, reserved: int | None = None) -> None:
         """Start a new ``window_peak`` from what is held now.
 
         Args:
-            reserved: The runtime's ``reserved_bytes()`` now (``None``: unknown).
-            scope: The runtime's ``reserved_scope``: ``"own"`` (every reserved byte is
-                the runtime's, so the swap's) or ``"device"`` (the whole device's: only
-                growth during the step beyond the swap's own bytes is the swap's).
+            reserved: The runtime's ``reserved_bytes()`` now (``None``: unknown). What it
+                holds beyond the swap's own bytes (other tensors, blocks cached by earlier
+                steps, other optimizers sharing the runtime) is not the step's: only the
+                growth from here on counts, on top of what the swap holds.
         """
         self.window_peak = self.current
-        if reserved is None:
-            self._reserved_base = None
-        else:
-            self._reserved_base = 0 if scope == "own" else reserved - self.current
+        self._reserved_base = None if reserved is None else reserved - self.current
         self.note_reserved(reserved)
 
     def note_reserved(self, reserved: int | None) -> None:

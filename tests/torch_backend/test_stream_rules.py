@@ -200,3 +200,21 @@ def test_host_memory_of_a_queued_copy_lives_until_its_event_completes(streams: S
     runtime.copy_out([_pair()])
     gc.collect()
     assert storage() is None
+
+
+def test_every_wait_is_queued_where_it_orders(streams: Streams) -> None:
+    # A copy in waits for the copies still using its memory; compute waits for a copy in
+    # before it reads it; the host waits on the event before it reads host memory.
+    runtime = AcceleratorRuntime(CUDA)
+    out = runtime.copy_out([_pair()], queue=OPTIMIZER)
+    before = len(streams.log)
+    into = runtime.copy_in([_pair()], after=(out,), queue=OPTIMIZER)
+    in_stream, out_stream = into.marks[0][0], out.marks[0][0]
+    assert ("wait_event", in_stream, out_stream) in streams.log[before:]
+    before = len(streams.log)
+    runtime.wait(into)
+    assert streams.log[before:] == [("wait_event", streams.compute, in_stream)]
+    event = into.marks[0][1]
+    assert not event.query()
+    runtime.host_wait(into)
+    assert event.query()  # the host blocked on the event itself

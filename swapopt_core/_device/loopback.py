@@ -55,10 +55,23 @@ class LoopbackRuntime(TransferRuntime[torch.Tensor, torch.device, Any]):
 
     def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         self._collect()
-        storage = self.pool.take(numel * dtype.itemsize)
+        storage = self.pool.take(numel * dtype.itemsize, self._settle, self._empty)
         tensor = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
         self._note_alloc(tensor)
         return tensor
+
+    @staticmethod
+    def _settle(tickets: Sequence[Any]) -> bool:
+        """Wait for the copies of a block freed in compute order; whether they succeeded.
+        Copies here are done when their call returns: nothing to wait for."""
+        return True
+
+    @staticmethod
+    def _empty(tensor: torch.Tensor) -> torch.UntypedStorage:
+        """Take the block from a tensor released in compute order."""
+        storage = tensor.untyped_storage()
+        tensor.set_()  # type: ignore[call-overload]  # the tensor handed out is empty now
+        return storage
 
     def _collect(self) -> None:
         """Give back the blocks held for copies now seen finished (an allocation's first

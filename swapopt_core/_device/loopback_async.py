@@ -274,13 +274,6 @@ class LoopbackAsyncRuntime(LoopbackRuntime):
         self.pool.give_fenced(tensor, tickets)
         self._note_release(tensor.untyped_storage())
 
-    def alloc_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        self._collect()
-        storage = self.pool.take(numel * dtype.itemsize, self._settle, self._empty)
-        tensor = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
-        self._note_alloc(tensor)
-        return tensor
-
     @staticmethod
     def _settle(tickets: Sequence[Ticket]) -> bool:
         """Compute reuses a fenced block only after the copies that used it: the calling
@@ -289,13 +282,6 @@ class LoopbackAsyncRuntime(LoopbackRuntime):
             # Compute writes the block next: the copies reading or writing it must be done.
             ticket.settle()
         return all(ticket.error is None for ticket in tickets)
-
-    @staticmethod
-    def _empty(tensor: torch.Tensor) -> torch.UntypedStorage:
-        """Take the block from a tensor released in compute order."""
-        storage = tensor.untyped_storage()
-        tensor.set_()  # type: ignore[call-overload]  # the tensor handed out is empty now
-        return storage
 
     def _recycle_unless_failed(self, tensor: torch.Tensor, tickets: list[Ticket]) -> None:
         """Recycle ``tensor`` unless a copy that used it failed: then it keeps its memory."""

@@ -16,6 +16,7 @@ from swapopt_core._errors import SwapOptError, SwapOptWarning, UnsupportedOptimi
 from swapopt_core._mindspore import MindSporeAdapter
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
+from swapopt_core._planning.step_types import BudgetTooSmall
 from swapopt_core._plugins import get_plugin_manager, new_plugin_manager, runtime_names
 from swapopt_core._stats import SwapStats
 from swapopt_core._torch.adapter import OptimizerAdapter, StateFactory
@@ -28,6 +29,7 @@ ActivationRuntime = TransferRuntime
 __all__ = [
     "ActivationRuntime",
     "ActivationTrace",
+    "BudgetTooSmall",
     "CopyPair",
     "MindSporeAdapter",
     "OffloadConfig",

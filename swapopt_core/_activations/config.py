@@ -9,6 +9,7 @@ from swapopt_core._config import OptionsConfig
 from swapopt_core._options import (
     MAX_BYTES,
     Option,
+    parse_bool,
     parse_choice,
     parse_mib,
     parse_name,
@@ -76,6 +77,11 @@ class OffloadConfig(OptionsConfig):
             budget cannot be met otherwise (a copy's fixed cost outweighs what they free);
             the warmup never evicts them, and the trace carries it to the planner
             (``ActivationTrace.min_offload_bytes``). Default: 1024 (1 MiB).
+        meter_every_step: With ``device_budget_mb``: meter every whole step on the
+            loopback runtimes too (their meter counts storages, which costs about half a CPU
+            step; by default they meter the first step and the two after each plan). An
+            accelerator's meter reads the allocator and watches every step anyway. Default:
+            False.
 
     Raises:
         TypeError: A field has the wrong type.
@@ -88,6 +94,7 @@ class OffloadConfig(OptionsConfig):
     planner: str = AUTO
     runtime: str = "auto"
     min_offload_kib: float = DEFAULT_MIN_OFFLOAD_BYTES // 2**10
+    meter_every_step: bool = False
 
     def __post_init__(self) -> None:
         if self.device_budget_mb is not None and self.max_resident_activation_mb is not None:
@@ -103,6 +110,11 @@ class OffloadConfig(OptionsConfig):
             _size("max_resident_activation_mb", self.max_resident_activation_mb, "MiB")
         _size("max_offload_activation_mb", self.max_offload_activation_mb, "MiB")
         _size("min_offload_kib", self.min_offload_kib, "KiB")
+        if not isinstance(self.meter_every_step, bool):
+            raise TypeError(
+                f"OffloadConfig.meter_every_step must be True or False, got "
+                f"{self.meter_every_step!r}."
+            )
         if not isinstance(self.planner, str) or not self.planner:
             raise ValueError(
                 f"OffloadConfig.planner must be a planner name, got {self.planner!r}. "
@@ -168,6 +180,7 @@ _OPTIONS = {
         "swapopt_register_runtimes)",
         _runtime_names,
     ),
+    "meter_every_step": Option(parse_bool, "true or false"),
     "min_offload_kib": Option(
         parse_mib(allow_none=False, unit=2**10), f"a number of KiB >= 0 and below {2**53}"
     ),

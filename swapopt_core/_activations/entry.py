@@ -58,6 +58,7 @@ class Entry:
     def __init__(self, executor: Executor, plan: Plan | None = None) -> None:
         self.executor = executor
         self.scope = Scope(executor.budget_bytes, executor.min_offload_bytes, executor.leaves)
+        self.scope.outside_counts = executor.outside_counts
         self.quiet = self.scope.quiet  # > 0 while the entry's own bookkeeping runs ops
         self.replay: ReplayEntry | None = None  # the replay the entry started as
         self.warmup: WarmupEntry | None = None  # the warmup it is, or was handed over to

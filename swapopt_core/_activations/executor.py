@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import logging
 import weakref
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
@@ -44,8 +45,10 @@ from swapopt_core._activations.warmup import OutsideReads, WarmupEntry
 from swapopt_core._device.interface import TorchRuntime
 from swapopt_core._device.loopback import LoopbackRuntime
 from swapopt_core._device.registry import RuntimeChoice, resolve_runtime, shared_runtime
+from swapopt_core._planning.floor import floor_reason, format_bytes, min_feasible_budget
 from swapopt_core._planning.interface import ResidencyPlanner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
+from swapopt_core._planning.step_types import BudgetTooSmall
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +131,15 @@ class Executor:
         #: bytes (``WarmupEntry.outside``: the whole-step planner counts those no optimizer
         #: holds).
         self.outside_inputs = OutsideReads()
+        #: Set by a whole-step budget (``swapopt_core._step.budget``): ``"defer"`` until its
+        #: first plan (a warmup's plan is its to make: none is made here), ``"refuse"``
+        #: after it (a trace that grew past the activation budget raises ``BudgetTooSmall``
+        #: instead of being planned for more), ``None`` without one.
+        self.owned: str | None = None
+        self.device_budget_bytes = 0  # the owning budget's, for BudgetTooSmall.floor_bytes
+        #: Set by the owning budget before its plan: which storages made before an entry
+        #: take room from a warmup's budget when read (``Scope.outside_counts``).
+        self.outside_counts: Callable[[torch.UntypedStorage], bool] | None = None
 
     # ---- the plans -----------------------------------------------------------------------
 
@@ -304,7 +316,7 @@ class Executor:
             warmup.freed_after(),
         )
         trace, (pinned,) = canonical(trace, warmup.unmovable())
-        schedule = _without(self.planner.plan(trace), pinned)
+        schedule = _without(self._schedule(trace, "a new op sequence"), pinned)
         plan = Plan(trace, schedule, pinned)
         self.book.add(plan)
         self._trim_pool()
@@ -327,7 +339,8 @@ class Executor:
         plan = replay.plan
         trace = grown(plan.trace, replay.grown)
         pinned = plan.pinned | (scope.unresizable() & set(trace.storage_sizes))
-        plan.resize(trace, _without(self.planner.plan(trace), pinned))
+        why = f"{len(replay.grown)} storages larger than planned"
+        plan.resize(trace, _without(self._schedule(trace, why), pinned))
         plan.pinned = frozenset(pinned)
         self.counts = replace(self.counts, replans=self.counts.replans + 1)
         self._trim_pool()
@@ -336,6 +349,35 @@ class Executor:
             len(replay.grown),
             len(plan.schedule),
         )
+
+    def _schedule(self, trace: ActivationTrace, why: str) -> ResidencySchedule:
+        """The planner's schedule for ``trace``, as the owning budget wants it (``owned``).
+
+        Raises:
+            BudgetTooSmall: Under a whole-step plan, no activation schedule holds the step
+                (``why`` says what changed) within the activation budget the plan left.
+        """
+        if self.owned == "defer":
+            return ResidencySchedule()  # the whole-step plan makes it, after the update
+        limit = trace.memory_limit_bytes
+        if self.owned == "refuse" and limit is not None:
+            floor = min_feasible_budget(trace)
+            if floor > limit:
+                raise BudgetTooSmall(
+                    f"The step grew past its device budget ({why}): its activations need at "
+                    f"least {format_bytes(floor)} on the device, since "
+                    f"{floor_reason(trace)}, and the whole-step plan leaves them "
+                    f"{format_bytes(limit)}. Raise OffloadConfig.device_budget_mb by "
+                    f"{-(-(floor - limit) // 2**20)} MiB or more, or keep the batch at the "
+                    "size the plan was made for.",
+                    self.device_budget_bytes + floor - limit,
+                )
+        return self.planner.plan(trace)
+
+    def forget_plans(self) -> None:
+        """Drop every kept plan: the next entry traces the step again."""
+        self.book.clear()
+        self._trim_pool()
 
     def rebudget(self, budget_bytes: int, schedule: ResidencySchedule | None) -> None:
         """Keep activations under ``budget_bytes`` from the next entry on.

@@ -11,6 +11,7 @@ must let through untouched.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,9 @@ class Scope:
         self.leaves = leaves
         self.quiet = Quiet()
         self.started = False
+        #: Whether a storage made before the entry, read by it, takes room from the budget
+        #: (a whole-step budget's first step: the batch); ``None``: none does.
+        self.outside_counts: Callable[[torch.UntypedStorage], bool] | None = None
 
     def start(self, runtime: TorchRuntime, pool: HostPool) -> None:
         """The first op: its runtime and the host pool that goes with it."""

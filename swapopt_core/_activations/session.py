@@ -18,10 +18,10 @@ from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.entry import Entry
 from swapopt_core._activations.executor import Executor
 from swapopt_core._activations.session_stats import OffloadStats, session_stats
-from swapopt_core._activations.step_budget import StepBudget
 from swapopt_core._device.registry import RuntimeChoice, resolve_runtime
 from swapopt_core._planning.interface import ResidencyPlanner, resolve_planner
 from swapopt_core._planning.ir import ActivationTrace, ResidencySchedule
+from swapopt_core._step.budget import StepBudget
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class OffloadSession:
     Results are the same bits as without the session.
 
     With ``OffloadConfig(device_budget_mb=N)`` and ``optimizer=opt`` the session plans the
-    whole step under ``N`` (``swapopt_core._activations.step_budget``): it swaps ``opt``
+    whole step under ``N`` (``swapopt_core._step.budget``): it swaps ``opt``
     itself (or re-configures its swap), the ``opt.step()`` after the ``with`` block is part
     of the plan, and ``stats()`` reports the measured and planned peaks. Where the plan keeps
     every activation on the device, later entries run without the tracer (no cost per op; a
@@ -124,8 +124,10 @@ class OffloadSession:
 
         Use it to reuse a plan from an earlier run, or one ``swapopt plan`` made from a saved
         trace: ``ActivationTrace.from_json`` and ``ResidencySchedule.from_json`` read them
-        back. The replay follows the schedule (not this session's budget) and falls back as
-        any replay does when the step's ops differ from the trace. The loaded plan joins the
+        back. The replay follows the schedule (not this session's activation budget) and
+        falls back as any replay does when the step's ops differ from the trace. Under a
+        device budget, a plan made for another activation budget than the one the budget
+        leaves is planned again for it (with a warning). The loaded plan joins the
         plans the session keeps, and the next entry starts with it.
 
         Raises:
@@ -135,6 +137,24 @@ class OffloadSession:
                 trace marks recompute an op whose schema forbids it (random numbers, views,
                 in-place writes; the message names the op).
         """
+        budget = self._budget
+        limit = self._executor.budget_bytes
+        if (
+            budget is not None
+            and isinstance(trace, ActivationTrace)
+            and trace.memory_limit_bytes != limit
+            and not budget.keeps_activations
+        ):
+            # A plan made for another budget would replay at that budget, not this one's.
+            logger.warning(
+                "swapopt: the loaded plan was made for an activation budget of %s; this "
+                "session's device budget leaves activations %s: it is planned again for that",
+                trace.memory_limit_bytes,
+                limit,
+            )
+            trace = trace.with_limit(limit)
+            self._executor.load(trace, self._executor.planner.plan(trace))
+            return
         self._executor.load(trace, schedule)
 
     # ---- the context manager -------------------------------------------------------------
@@ -162,6 +182,8 @@ class OffloadSession:
                 self._executor.enter()
         except BaseException:
             self._owner = None
+            if self._budget is not None:
+                self._budget.exited(failed=True)
             raise
         self._token = _ACTIVE.set(self)
         return self
@@ -175,12 +197,38 @@ class OffloadSession:
         if self._token is not None:
             _ACTIVE.reset(self._token)
             self._token = None
+        budget = self._budget
+        failed = exc_type is not None
         try:
             if self._executor.entry is not None:
                 self._executor.exit(exc_type, exc, tb)
+        except BaseException:
+            failed = True
+            raise
         finally:
             self._owner = None
+            if budget is not None:
+                # An abandoned step's meter window closes with it (a retry is metered from
+                # its own start, and no meter stays pushed over later ops).
+                budget.exited(failed=failed)
         return False
+
+    def close(self) -> None:
+        """End the session's whole-step budget: the hooks it put on the optimizer's ``step``
+        are removed and an open meter window is closed. The optimizer's swap stays as the
+        budget last configured it. A session that is collected does the same; without a
+        device budget there is nothing to close. Idempotent.
+
+        Raises:
+            RuntimeError: The session is active (inside its ``with`` block).
+        """
+        if self._owner is not None:
+            raise RuntimeError(
+                "OffloadSession.close() was called inside the session's with block; close "
+                "it after the block."
+            )
+        if self._budget is not None and self._budget.ended is None:
+            self._budget.end("the session was closed", warn=False)
 
     @property
     def _bypassed(self) -> bool:

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from swapopt_core._activations.executor import Counts, Executor
-from swapopt_core._activations.step_budget import StepBudget
 from swapopt_core._figures import format_offload_stats
+from swapopt_core._step.budget import StepBudget
 
 __all__ = ["OffloadStats", "session_stats"]
 
@@ -60,8 +60,10 @@ class OffloadStats(Counts):
             whole step (from the session's first entry until ``optimizer.step()`` returned,
             the first step included), from the runtime's meter: the allocator's peak on an
             accelerator, every step; a count of storages on the loopback runtimes, over the
-            first step and the two after each plan (it costs about half a CPU
-            step). 0 without.
+            first step and the two after each plan (it costs about half a CPU step), or
+            every step with ``OffloadConfig(meter_every_step=True)``. 0 without.
+        last_step_peak_device_bytes: The same for the latest metered step alone (beside
+            the running maximum above); 0 before one and without ``device_budget_mb``.
         planned_step_peak_device_bytes: The peak the whole-step plan predicts; ``None``
             until planned (after the first step), and without ``device_budget_mb``.
         planned_step_ms: The step time the plan predicts (``None`` likewise).
@@ -81,6 +83,7 @@ class OffloadStats(Counts):
     plans_kept: int = 0
     pinned_fallback_buffers: int = 0
     step_peak_device_bytes: int = 0
+    last_step_peak_device_bytes: int = 0
     planned_step_peak_device_bytes: int | None = None
     planned_step_ms: float | None = None
     plain_step_ms: float | None = None

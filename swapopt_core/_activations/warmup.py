@@ -68,12 +68,14 @@ class OutsideReads:
         self._seen: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
         self.records: list[tuple[weakref.ref[torch.UntypedStorage], int]] = []
 
-    def note(self, storage: torch.UntypedStorage) -> None:
-        """Note ``storage`` (and its bytes now) unless it was noted already."""
+    def note(self, storage: torch.UntypedStorage) -> bool:
+        """Note ``storage`` (and its bytes now) unless it was noted already; whether it
+        was new."""
         if storage in self._seen:
-            return
+            return False
         self._seen.add(storage)
         self.records.append((weakref.ref(storage), storage.nbytes()))
+        return True
 
     def bytes_besides(self, held: Collection[torch.UntypedStorage]) -> int:
         """Bytes of the noted storages that are not in ``held`` (dead ones count: the
@@ -171,8 +173,14 @@ class WarmupEntry:
                 gradients.watch(value)
             entry = residency.by_storage.get(storage)
             if entry is None:
-                if self.recording and scope.runtime.serves(storage.device):
-                    self.outside.note(storage)
+                if (
+                    self.recording
+                    and scope.runtime.serves(storage.device)
+                    and self.outside.note(storage)
+                    and scope.outside_counts is not None
+                    and scope.outside_counts(storage)
+                ):
+                    self.unseen += storage.nbytes()  # held through the step, by no tracker
                 continue
             touched.append((entry, storage, id(value) in writes))
             if id(value) in writes:

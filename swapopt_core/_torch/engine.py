@@ -20,6 +20,7 @@ import torch
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.interface import TransferRuntime
 from swapopt_core._planning.partition import partition
+from swapopt_core._step.hooks import StepHooks
 from swapopt_core._swap.engine import ENGINE_ATTR, EngineBase
 from swapopt_core._swap.pipeline import Pipeline
 from swapopt_core._swap.step import StepUnit
@@ -74,6 +75,7 @@ class SwapEngine(EngineBase):
         )
         self._handles: list[Any] = []
         self._unsilence: Callable[[], None] | None = None
+        self._leave_step: Callable[[], None] | None = None
 
     @staticmethod
     def tensor_ops(runtime: TransferRuntime) -> TorchTensorOps:
@@ -123,12 +125,11 @@ class SwapEngine(EngineBase):
         except BaseException:
             self._restore_state()
             raise
-        step_post = opt.register_step_post_hook(self._post_step)
-        # Before post-hooks the user registered earlier: they expect an updated model.
-        opt._optimizer_step_post_hooks.move_to_end(step_post.id, last=False)  # type: ignore[attr-defined]
-        # After ours: hooks the adapter adds to silence the family's update go first.
+        # The update runs in the step's post-hooks, ahead of the user's (StepHooks orders
+        # swapopt's parts: what the adapter adds to silence the family's update goes first).
+        self._leave_step = StepHooks.of(opt).join("engine", post=self._post_step)
         self._unsilence = self.adapter.silence(opt)
-        self._handles = [step_post, *self.checkpoint.attach()]
+        self._handles = list(self.checkpoint.attach())
         self.prefetch.watch(self._params())
         setattr(opt, ENGINE_ATTR, self)
 
@@ -139,6 +140,9 @@ class SwapEngine(EngineBase):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._leave_step is not None:
+            self._leave_step()
+            self._leave_step = None
         if self._unsilence is not None:
             self._unsilence()
             self._unsilence = None

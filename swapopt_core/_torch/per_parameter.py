@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from swapopt_core._errors import SwapOptError, UnsupportedOptimizerError
+from swapopt_core._step.hooks import StepHooks
 from swapopt_core._torch.adapter import OptimizerAdapter, StateFactory
 
 logger = logging.getLogger(__name__)
@@ -258,19 +259,18 @@ class PerParameterAdapter(OptimizerAdapter):
     def silence(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         """Hide the groups from the optimizer's own update (see ``_Hiding``).
 
-        The pre-hook runs after the user's; the post-hook goes first, ahead of the engine's
-        (which is registered before this is called).
+        Its hooks are the ``"hiding"`` part of the optimizer's ``StepHooks``: the pre-hook
+        runs after the user's, the post-hook first of swapopt's, ahead of the engine's.
         """
         hiding = _Hiding(optimizer)
-        pre = optimizer.register_step_pre_hook(hiding.before_step)
-        post = optimizer.register_step_post_hook(hiding.after_step)
-        optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)  # type: ignore[attr-defined]
+        leave = StepHooks.of(optimizer).join(
+            "hiding", pre=hiding.before_step, post=hiding.after_step
+        )
         setattr(optimizer, _HIDING_ATTR, hiding)
 
         def undo() -> None:
             hiding.show()
-            pre.remove()
-            post.remove()
+            leave()
             delattr(optimizer, _HIDING_ATTR)
 
         return undo

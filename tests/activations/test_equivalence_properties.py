@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from swapopt_core import OffloadConfig, OffloadSession, is_swap_optimizer
-from swapopt_core._activations.step_budget import _FIRST_STAGING_FACTOR, _STATE_PER_PARAM
 from swapopt_core._device.lanes import ENV_GBPS, ENV_JITTER_US
 from swapopt_core._device.registry import forget_shared_runtimes
 from swapopt_core._planning.step_types import BudgetTooSmall
+from swapopt_core._step.budget import _FIRST_STAGING_FACTOR, _STATE_PER_PARAM
 from tests.activations.conftest import JITTER_US
 
 PROPERTY = settings(

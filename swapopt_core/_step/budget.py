@@ -19,6 +19,8 @@ import dataclasses
 import functools
 import inspect
 import logging
+import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,14 +30,18 @@ from swapopt_core._activations.config import OffloadConfig
 from swapopt_core._activations.executor import Executor
 from swapopt_core._config import SwapOptimizerConfig
 from swapopt_core._device.meter import AllocatorMeter, StepMeter
+from swapopt_core._errors import SwapOptWarning
 from swapopt_core._planning.floor import format_bytes
 from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.update_model import HELD_BATCHES
 from swapopt_core._planning.whole_step import (
+    BudgetTooSmall,
     StepInputs,
     StepPlan,
     plan_step,
 )
+from swapopt_core._step.growth import SavedBytes
+from swapopt_core._step.hooks import StepHooks
 from swapopt_core._swap.engine import EngineBase, engine_of
 
 logger = logging.getLogger(__name__)
@@ -98,18 +104,36 @@ class StepBudget:
         self.params_bytes = sum(p.untyped_storage().nbytes() for p in params)
         self.grads_bytes = sum(p.untyped_storage().nbytes() for p in params if p.requires_grad)
         largest = max((p.untyped_storage().nbytes() for p in params), default=0)
-        staging = int(_FIRST_STAGING_FACTOR * _STATE_PER_PARAM * largest)
-        left = budget - self.params_bytes - self.grads_bytes - staging
-        if left <= 0:
-            raise ValueError(
+        # What surely cannot fit is refused here: the parameters, their gradients and the
+        # state of the largest one, which its update needs on the device. What the step
+        # really needs is known once it was traced and its update measured (``plan_step``
+        # refuses with that floor, as ``swapopt estimate`` does).
+        sure = self.params_bytes + self.grads_bytes + _STATE_PER_PARAM * largest
+        if budget < sure:
+            raise BudgetTooSmall(
                 f"OffloadConfig.device_budget_mb={config.device_budget_mb} "
                 f"({format_bytes(budget)}) cannot hold the step: parameters "
                 f"{format_bytes(self.params_bytes)} + gradients {format_bytes(self.grads_bytes)}"
-                f" + the update of the largest parameter's state {format_bytes(staging)} "
-                f"need {format_bytes(budget - left)}. Raise device_budget_mb above "
-                f"{-(-(budget - left) // 2**20)} MiB."
+                f" + the state of the largest parameter {format_bytes(_STATE_PER_PARAM * largest)}"
+                f" need {format_bytes(sure)}. Raise device_budget_mb above "
+                f"{-(-sure // 2**20)} MiB.",
+                sure,
             )
+        # The first update runs one parameter per batch: up to three staged batches and an
+        # undo copy, never more than the whole state and one undo copy.
+        state = _STATE_PER_PARAM * self.params_bytes
+        staging = int(min(_FIRST_STAGING_FACTOR * _STATE_PER_PARAM * largest, state + 2 * largest))
+        left = max(0, budget - self.params_bytes - self.grads_bytes - staging)
         self.engine = self._install(config)
+        # The executor plans no warmup of its own until the whole-step plan did (which
+        # replaces it), and refuses a trace that grew past the plan after that.
+        executor.owned = "defer"
+        executor.device_budget_bytes = budget
+        self._saved = SavedBytes()  # the growth watch of entries the tracer does not see
+        self._saved_planned: int | None = None  # what the traced step saved
+        self._grew: tuple[int, int] | None = None  # saved bytes: planned, then seen
+        self._traced_before = 0
+        self._plan_due = False  # a step traced again after it grew: plan after its update
         # The warmup keeps activations under what the conservative update leaves.
         executor.budget_bytes = max(0, left - self._fixed_state_bytes())
         logger.info(
@@ -124,11 +148,29 @@ class StepBudget:
         self._update_extra: int | None = None  # the first update's bytes over its start
         self._inputs: StepInputs | None = None  # what the current plan was made from
         self._update_start = 0
+        self._phase_peak = 0  # the current step's forward and backward peak
         self._to_meter = METERED_STEPS  # steps a storage-counting meter still watches
-        # The hooks live as long as the optimizer; they are what makes opt.step() part of
-        # the plan.
-        optimizer.register_step_pre_hook(self._before_step)
-        optimizer.register_step_post_hook(self._after_step)
+        self._every_step = config.meter_every_step
+        self.last_step_peak = 0
+        self.ended: str | None = None  # why the budget no longer plans the step
+        self._said_ended = False
+        # The budget's part of opt.step() (StepHooks orders it after the swap's update). It
+        # is held weakly: the optimizer must not keep the session's plans and traces alive;
+        # the hooks leave when the session is closed or collected.
+        hooks = StepHooks.of(optimizer)
+        other = hooks.holder("budget")
+        if isinstance(other, StepBudget):
+            # One budget plans an optimizer's step: the newest session's, as a loop that
+            # makes a session per epoch expects. The other one says it ended.
+            other.end("another OffloadSession's device budget took over its optimizer", warn=False)
+        leave = hooks.join(
+            "budget",
+            pre=self._before_step,
+            post=self._after_step,
+            abort=self.abort,
+            weak=True,
+        )
+        self._release = weakref.finalize(self, leave)
 
     def _params(self) -> Iterator[torch.Tensor]:
         for group in self.optimizer.param_groups:
@@ -192,17 +234,131 @@ class StepBudget:
 
     # ---- the step ------------------------------------------------------------------------
 
+    # ---- the budget's life ----------------------------------------------------------------
+
+    def close(self) -> None:
+        """End the budget: close an open meter window and take the hooks off the optimizer.
+        The session calls it from ``close()``; the hooks also leave when it is collected."""
+        self.abort()
+        self._release()
+
+    def live(self) -> bool:
+        """Whether the budget still plans the step; notices an unswap of its optimizer.
+
+        ``unswap_optimizer(opt)`` takes away the swap the plan steers: the budget ends with a
+        warning (the session goes on keeping activations under the activation budget it
+        last set) instead of going on as if the step were still planned.
+        """
+        if self.ended is not None:
+            if not self._said_ended:
+                self._say_ended()
+            return False
+        if engine_of(self.optimizer) is self.engine:
+            return True
+        self.end("its optimizer was unswapped (unswap_optimizer)")
+        return False
+
+    def end(self, why: str, *, warn: bool = True) -> None:
+        """Stop planning the step, saying ``why`` in a warning now, or (``warn=False``) at
+        the session's next use."""
+        self.ended = why
+        self.close()
+        if warn:
+            self._say_ended()
+
+    def _say_ended(self) -> None:
+        self._said_ended = True
+        kept = (
+            "every activation stays on the device"
+            if self.keeps_activations
+            else f"its activations stay under {format_bytes(self.executor.budget_bytes)}"
+        )
+        warnings.warn(
+            f"swapopt: the device budget of an OffloadSession ended: {self.ended}. The "
+            f"optimizer's update is no longer planned or metered by it; {kept}. Make a new "
+            "OffloadSession(config, optimizer=opt) to plan the step again.",
+            SwapOptWarning,
+            stacklevel=5,
+        )
+
+    def exited(self, *, failed: bool) -> None:
+        """An entry ended (``failed``: with an exception, which abandons the step).
+
+        A traced entry sets what the step saves for backward; an entry the tracer did not
+        see (the plan keeps every activation) that saved more has grown past the plan: the
+        next entry traces the step again under the room the plan leaves activations, and the
+        step after it is planned again (or refused, ``BudgetTooSmall``)."""
+        saved = self._saved.close()
+        self.executor.outside_counts = None
+        if failed:
+            self.abort()
+            return
+        if self.ended is not None:
+            return
+        counts = self.executor.counts
+        if counts.warmups + counts.retraces > self._traced_before:
+            self._saved_planned = saved
+            self._plan_due = self._grew is not None  # the grown step, traced: plan it
+        elif (
+            self.keeps_activations
+            and self._saved_planned is not None
+            and saved > self._saved_planned
+        ):
+            self._regrow(self._saved_planned, saved)
+
+    def _regrow(self, planned: int, seen: int) -> None:
+        plan, trace = self.plan, self.executor.trace
+        assert plan is not None
+        natural = TraceIndex(trace).natural_peak if trace is not None else 0
+        room = max(0, self.budget - plan.planned_peak_bytes + natural)
+        logger.info(
+            "swapopt: the step saved %s for backward, over the %s it was planned for; "
+            "tracing it again with activations under %s",
+            format_bytes(seen),
+            format_bytes(planned),
+            format_bytes(room),
+        )
+        self._grew = (planned, seen)
+        self.executor.forget_plans()
+        self.executor.budget_bytes = room
+        self.executor.owned = "defer"
+
+    def abort(self) -> None:
+        """The step ended with an exception: close its meter window (the retry is metered
+        on its own, from its own start)."""
+        meter, self._meter = self._meter, None
+        if meter is not None and meter.is_open:
+            meter.end()
+
+    # ---- the step ------------------------------------------------------------------------
+
     def entered(self) -> None:
         """An entry starts: open the step's meter window unless one is open (accumulation),
-        or unless the meter counts storages and the steps after the last plan were metered
-        (it costs about half a CPU step; an allocator's meter costs nothing and runs always)."""
+        or unless the meter counts storages, ``meter_every_step`` is off and the steps after
+        the last plan were metered (it costs about half a CPU step; an allocator's meter
+        costs nothing and runs always). The growth watch counts what the entry saves."""
+        if not self.live():
+            return
+        counts = self.executor.counts
+        self._traced_before = counts.warmups + counts.retraces
+        self._saved.open()
+        if self.executor.owned == "defer":
+            # Before a plan, the warmup keeps activations under what the rest of the step
+            # leaves; the batch made before the entry is part of that rest once read.
+            held = {t.untyped_storage() for t in self._held() if t.device.type != "meta"}
+            self.executor.outside_counts = lambda storage: storage not in held
         if self._meter is None:
             meter = self.engine.runtime.step_meter()
-            if self._to_meter <= 0 and not isinstance(meter, AllocatorMeter):
+            if (
+                self._to_meter <= 0
+                and not self._every_step
+                and not isinstance(meter, AllocatorMeter)
+            ):
                 return
             self._to_meter -= 1
             meter.begin(self._held())
             self._meter = meter
+            self._phase_peak = 0
 
     def _held(self) -> Iterator[torch.Tensor]:
         for param in self._params():
@@ -223,6 +379,8 @@ class StepBudget:
         runs forward and backward inside ``step()``: those bytes are no part of the update,
         so the step is handed a closure that starts the update's phase once it returned.
         """
+        if not self.live():
+            return None
         # ``args`` starts with the optimizer itself; the closure follows, or is a keyword.
         positional = len(args) > 1
         closure = args[1] if positional else kwargs.get("closure")
@@ -233,7 +391,11 @@ class StepBudget:
             return None  # a nested step() call (super().step()): the outer one wrapped it
 
         def closure_then_update() -> Any:
-            loss = closure()
+            try:
+                loss = closure()
+            except BaseException:
+                self.abort()  # no post-hook runs after a step that raised
+                raise
             self._update_begins()
             return loss
 
@@ -249,22 +411,37 @@ class StepBudget:
         meter = self._meter
         if meter is not None:
             # Forward and backward end here: the update is metered as a phase of its own.
-            self.step_peak = max(self.step_peak, meter.restart_peak())
+            self._phase_peak = meter.restart_peak()
+            self.step_peak = max(self.step_peak, self._phase_peak)
             self._update_start = meter.current_bytes
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.live():
+            return
         meter, self._meter = self._meter, None
         if meter is not None:
             update_peak = meter.end()
+            self.last_step_peak = max(self._phase_peak, update_peak)
             self.step_peak = max(self.step_peak, update_peak)
             extra = max(0, update_peak - self._update_start)
             if self._update_extra is None:
                 self._update_extra = extra
             elif self.plan is not None and self._inputs is not None:
                 self._correct(extra)
-        if not self._planned_once:
-            self._planned_once = True
-            self._make_plan()
+        if not self._planned_once or self._plan_due:
+            self._planned_once, self._plan_due = True, False
+            grew, self._grew = self._grew, None
+            try:
+                self._make_plan()
+            except BudgetTooSmall as error:
+                if grew is None:
+                    raise
+                raise BudgetTooSmall(
+                    f"The step grew past what the device budget was planned for (it saved "
+                    f"{format_bytes(grew[1])} for backward, {format_bytes(grew[0])} when "
+                    f"planned), and no plan holds it: {error}",
+                    error.floor_bytes,
+                ) from error
 
     def _correct(self, extra: int) -> None:
         """Plan again if the update held more per batch than the plan assumed.
@@ -293,6 +470,8 @@ class StepBudget:
         costs = self.engine.costs()
         trace = self.executor.trace
         if costs is None or trace is None:
+            self.executor.owned = None
+            self.executor.rebudget(self.executor.budget_bytes, None)
             logger.warning(
                 "swapopt: the first step under device_budget_mb ran without %s; the step "
                 "stays on the conservative settings",
@@ -332,7 +511,29 @@ class StepBudget:
             inputs_bytes=outside,
         )
         self._inputs = inputs
-        self._apply(plan_step(inputs))
+        try:
+            plan = plan_step(inputs)
+        except BudgetTooSmall:
+            if self.plan is not None or not 0 < self.step_peak <= self.budget:
+                raise
+            # The first step kept the budget on its conservative settings: they stay (a
+            # budget the first step kept is never refused after it for the same shapes).
+            self._keep_first_settings()
+            return
+        self._apply(plan)
+
+    def _keep_first_settings(self) -> None:
+        """No plan the planner prices fits, but the first step, as it ran, did: keep its
+        settings and plan its activations at the budget they had."""
+        logger.info(
+            "swapopt: no whole-step plan fits %s by the planner's prices, but the first step "
+            "kept it (peak %s): its settings stay",
+            format_bytes(self.budget),
+            format_bytes(self.step_peak),
+        )
+        self.executor.owned = None
+        self.executor.rebudget(self.executor.budget_bytes, None)
+        self.executor.owned = "refuse"
 
     def _apply(self, plan: StepPlan) -> None:
         from swapopt_core._api import reconfigure_swap
@@ -349,6 +550,7 @@ class StepBudget:
         self._to_meter = METERED_STEPS  # the new plan's first steps are watched again
         budget = plan.activation_budget_bytes
         self.executor.rebudget(budget if budget is not None else 2**62, plan.schedule)
+        self.executor.owned = "refuse"
         self.plan = plan
         logger.info(
             "swapopt: whole step planned under %s: %.0f%% of the optimizer state resident, "
@@ -367,8 +569,13 @@ class StepBudget:
     @property
     def keeps_activations(self) -> bool:
         """Whether the plan keeps every activation on the device: then the session's entries
-        run without its tracer (nothing to move, nothing to pay per op)."""
-        return self.plan is not None and self.plan.activation_budget_bytes is None
+        run without its tracer (nothing to move, nothing to pay per op), unless the step
+        grew past the plan and is traced again."""
+        return (
+            self.plan is not None
+            and self.plan.activation_budget_bytes is None
+            and self._grew is None
+        )
 
     def stats(self) -> dict[str, Any]:
         """The whole-step fields of ``OffloadStats``."""
@@ -376,6 +583,7 @@ class StepBudget:
         config = self.engine.config
         return {
             "step_peak_device_bytes": self.step_peak,
+            "last_step_peak_device_bytes": self.last_step_peak,
             "planned_step_peak_device_bytes": plan.planned_peak_bytes if plan else None,
             "planned_step_ms": plan.planned_step_ms if plan else None,
             "plain_step_ms": plan.plain_step_ms if plan else None,

@@ -36,6 +36,7 @@ from swapopt_core._planning.index import TraceIndex
 from swapopt_core._planning.update_model import HELD_BATCHES
 from swapopt_core._planning.whole_step import (
     BudgetTooSmall,
+    OptimizerCosts,
     StepInputs,
     StepPlan,
     plan_step,
@@ -119,11 +120,10 @@ class StepBudget:
                 f"{-(-sure // 2**20)} MiB.",
                 sure,
             )
-        # The first update runs one parameter per batch: up to three staged batches and an
-        # undo copy, never more than the whole state and one undo copy.
-        state = _STATE_PER_PARAM * self.params_bytes
-        staging = int(min(_FIRST_STAGING_FACTOR * _STATE_PER_PARAM * largest, state + 2 * largest))
-        left = max(0, budget - self.params_bytes - self.grads_bytes - staging)
+        # Forward and backward hold no staging (the update comes after them): the first
+        # warmup keeps activations under what parameters, gradients and the state that never
+        # moves leave (and the batch it reads from outside, as it reads it).
+        left = max(0, budget - self.params_bytes - self.grads_bytes)
         self.engine = self._install(config)
         # The executor plans no warmup of its own until the whole-step plan did (which
         # replaces it), and refuses a trace that grew past the plan after that.
@@ -414,10 +414,85 @@ class StepBudget:
             self._phase_peak = meter.restart_peak()
             self.step_peak = max(self.step_peak, self._phase_peak)
             self._update_start = meter.current_bytes
+        if not self._planned_once and self.plan is None:
+            self._plan_first_update()
+
+    def _plan_first_update(self) -> None:
+        """Before the first update: where the whole step fits with every state resident and
+        every activation kept, by the traced forward and backward and the state's size
+        (Adam's two per parameter byte where it does not exist yet), the first update
+        already keeps its state (a budget that fits moves nothing, the first step included).
+        Otherwise it runs on the conservative settings and is measured; the plan after it
+        decides."""
+        trace = self.executor.trace
+        if trace is None:
+            return
+        ready = tuple(self.executor.gradient_ready)
+        start = min((op for op, _ in ready), default=None)
+        if start is None:
+            ix = TraceIndex(trace)
+            start = max(range(ix.n), key=ix.natural.__getitem__, default=0)
+        held = {t.untyped_storage() for t in self._held() if t.device.type != "meta"}
+        units = tuple(self._predicted_state(param) for param in self._params())
+        inputs = StepInputs(
+            budget_bytes=self.budget,
+            params_bytes=self.params_bytes,
+            grads_bytes=self.grads_bytes,
+            optimizer=OptimizerCosts(
+                unit_bytes=tuple(b for b in units if b),
+                update_ms_per_byte=0.0,  # not measured yet: only "does it all fit" is asked
+                fixed_state_bytes=self._fixed_state_bytes(),
+                staging_factor=_FIRST_STAGING_FACTOR,
+            ),
+            trace=trace.with_limit(None),
+            backward_start_op=start,
+            planner=self.executor.planner,
+            grad_ready=ready,
+            inputs_bytes=self.executor.outside_inputs.bytes_besides(held),
+        )
+        try:
+            plan = plan_step(inputs)
+        except BudgetTooSmall:
+            return
+        if not plan.moves_nothing:
+            return
+        from swapopt_core._api import reconfigure_swap
+
+        logger.info(
+            "swapopt: the whole step fits %s with every state resident (predicted peak %s): "
+            "the first update keeps its state",
+            format_bytes(self.budget),
+            format_bytes(plan.planned_peak_bytes),
+        )
+        reconfigure_swap(
+            self.optimizer,
+            dataclasses.replace(
+                self.engine.config,
+                swap_times=plan.swap_times,
+                resident_state_fraction=1.0,
+                prefetch_batches=0,
+            ),
+        )
+
+    def _predicted_state(self, param: torch.Tensor) -> int:
+        """Swappable state bytes of ``param``: what it has, else Adam's two per byte."""
+        state = self.optimizer.state.get(param)
+        if state:
+            return sum(
+                v.untyped_storage().nbytes()
+                for v in state.values()
+                if isinstance(v, torch.Tensor) and v.numel() >= self.engine.config.min_numel
+            )
+        if param.numel() < self.engine.config.min_numel or not param.requires_grad:
+            return 0
+        return _STATE_PER_PARAM * param.untyped_storage().nbytes()
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.live():
             return
+        inside = getattr(getattr(self.engine, "adapter", None), "inside_step", None)
+        if inside is not None and inside(optimizer):
+            return  # a nested step() call (super().step()): the outer one ends the step
         meter, self._meter = self._meter, None
         if meter is not None:
             update_peak = meter.end()

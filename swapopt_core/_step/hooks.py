@@ -27,9 +27,10 @@ __all__ = ["POST_ORDER", "PRE_ORDER", "StepHooks"]
 
 _ATTR = "_swapopt_step_hooks"
 
-#: Pre-hook parts, first to last: the per-parameter path wraps the closure first (it hides
-#: the groups once the closure returned), the budget after it (its update phase starts then).
-PRE_ORDER = ("hiding", "budget")
+#: Pre-hook parts, first to last: the budget wraps the closure first (its update phase,
+#: and the first update's plan, start once the closure returned), the per-parameter path
+#: around it (it hides the groups after that, so the budget still sees them).
+PRE_ORDER = ("budget", "hiding")
 #: Post-hook parts, first to last: the groups shown again, the swapped update, the budget's
 #: meter closed over the whole update.
 POST_ORDER = ("hiding", "engine", "budget")

@@ -152,6 +152,9 @@ class _Hiding:
             self.hide()
             return loss
 
+        # Keeps the marks other step hooks put on the closure (the budget's): a nested
+        # call is handed this wrapper and must be known to them too.
+        closure_then_hide.__dict__.update(getattr(closure, "__dict__", {}))
         closure_then_hide.hiding = self  # type: ignore[attr-defined]
         if positional:
             return (args[0], closure_then_hide, *args[2:]), kwargs

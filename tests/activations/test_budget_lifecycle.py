@@ -189,13 +189,15 @@ def test_a_batch_that_grows_under_a_plan_that_keeps_everything_is_planned_again(
     model = gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     session = _session(opt, budget / MIB, meter_every_step=True, min_offload_kib=0)
-    peaks = []
+    peaks, planned = [], []
     for seed, length in enumerate(lengths):
         _step(session, model, opt, seed, length=length)
         peaks.append(session.stats().last_step_peak_device_bytes)
+        planned.append(session.stats().planned_step_peak_device_bytes)
     stats = session.stats()
     assert stats.warmups >= 2, "the grown step was never traced again"
-    assert stats.activation_budget_bytes is not None, "the final plan moves nothing"
+    assert planned[-1] > planned[2], "the plan was not made again for the grown step"
+    assert planned[-1] <= budget
     assert max(peaks[-2:]) <= budget, [round(p / MIB, 2) for p in peaks]
 
 
@@ -251,3 +253,30 @@ def test_the_first_step_counts_the_batch_it_reads_from_outside_its_window() -> N
     _mlp_step(session, model, opt, 0)
     first = session.stats().last_step_peak_device_bytes
     assert first <= budget, (first / MIB, budget / MIB)
+
+
+@pytest.mark.parametrize("runtime", ["loopback", "loopback-async"])
+def test_a_budget_at_the_plain_peak_moves_nothing_from_the_first_step_on(runtime: str) -> None:
+    """The plain peak measured by a roomy budget's meter, then exactly that as the budget:
+    no byte of state or activation moves in any step, the first one included."""
+    model = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    roomy = OffloadSession(
+        OffloadConfig(device_budget_mb=1 << 20, runtime=runtime, meter_every_step=True),
+        optimizer=opt,
+    )
+    for seed in range(3):
+        _step(roomy, model, opt, seed)
+    plain = roomy.stats().step_peak_device_bytes
+    roomy.close()
+    model = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = OffloadConfig(device_budget_mb=plain / MIB, runtime=runtime, meter_every_step=True)
+    session = OffloadSession(config, optimizer=opt)
+    for seed in range(4):
+        _step(session, model, opt, seed)
+        moved = swap_stats(opt)
+        assert (moved.h2d_bytes, moved.d2h_bytes) == (0, 0), (seed, moved)
+    stats = session.stats()
+    assert (stats.h2d_bytes, stats.d2h_bytes) == (0, 0)
+    assert stats.step_peak_device_bytes <= plain

@@ -6,10 +6,10 @@ with a device profile (``costs``) and reports, for plain training and for the pl
 made of.
 
 Plain training is modelled op by op: parameters and optimizer state for the whole step, each
-gradient from the op that makes it, activations from the op that makes them to their last
-use (or their death, for those the caller holds), then the update with its temporaries
-(AdamW's foreach update makes one parameter-sized temporary, the square root of the second
-moment). Its time is the sum of the op durations plus the update's.
+gradient from the op after which autograd stores it, activations from the op that makes them
+to their last use (or their death, for those the caller holds), then the update with its
+temporaries (AdamW's foreach update makes one parameter-sized temporary, the square root of
+the second moment). Its time is the sum of the op durations plus the update's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from swapopt_core._estimate.costs import OPTIMIZERS, activation_trace, optimizer_costs
@@ -118,8 +117,7 @@ def trace_fake_step(spec: ModelSpec, batch: int, seq: int, on_cpu: bool) -> _Tra
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         held = [*model.parameters(), *model.buffers()]
-        known = [*held, *(v for v in _leaves(inputs) if isinstance(v, torch.Tensor))]
-        recorder = StepRecorder(known, on_cpu)
+        recorder = StepRecorder(on_cpu)
         with recorder:
             out, loss = loss_of(model, inputs, spec.label)
             recorder.mark_backward()
@@ -135,12 +133,6 @@ def trace_fake_step(spec: ModelSpec, batch: int, seq: int, on_cpu: bool) -> _Tra
             unique.append((p.numel(), p.element_size()))
     total = sum(t.numel() * t.element_size() for t in {id(t): t for t in held}.values())
     return _Traced(step, tuple(unique), total)
-
-
-def _leaves(inputs: Any) -> list[Any]:
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves(inputs)
 
 
 def _plain(

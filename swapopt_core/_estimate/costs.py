@@ -56,11 +56,12 @@ OPTIMIZERS = {
 
 
 def activation_trace(step: FakeStep, profile: DeviceProfile) -> ActivationTrace:
-    """The recorded step as an ``ActivationTrace``, each op priced with ``profile``."""
+    """The recorded step as an ``ActivationTrace``, each op priced with ``profile`` (an op
+    without a kernel, a view, at nothing)."""
     ops = tuple(
         TraceOp(
             op.name,
-            profile.op_ms(op.flops, op.nbytes, op.low_precision),
+            profile.op_ms(op.flops, op.nbytes, op.low_precision) if op.kernel else 0.0,
             op.accesses,
             op.recompute,
         )

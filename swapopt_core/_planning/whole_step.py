@@ -166,8 +166,13 @@ def _evaluate(
     if forward is None:
         return None
     held = base + shape.resident_bytes
+    # The update holds the gradients and what the step keeps past backward (``retained``,
+    # as the plain peak and ``_may_fit`` count them) besides its batches.
     update_peak = (
-        held + inputs.grads_bytes + int(inputs.optimizer.staging_factor * shape.largest_batch)
+        held
+        + inputs.grads_bytes
+        + acts.retained
+        + int(inputs.optimizer.staging_factor * shape.largest_batch)
     )
     peak = max(
         held + forward.before_backward,
@@ -187,12 +192,18 @@ def _evaluate(
 
 
 def _better(a: _Candidate, b: _Candidate) -> bool:
-    """Faster wins; at equal time (1 us), the one that moves less."""
+    """Faster wins; at equal time (1 us), the one that moves less, then the one whose peak
+    is lower. (With every unit resident, any ``swap_times`` takes the same time: more
+    batches only make each batch's undo copy and temporaries smaller. Without the last
+    rule the first one tried, a single batch, won wherever it fit, and a larger budget
+    gave a higher peak for nothing.)"""
     if abs(a.ms - b.ms) > 1e-3:
         return a.ms < b.ms
     moved_a = sum(a.shape.batch_bytes) + (0 if a.forward.budget is None else 1)
     moved_b = sum(b.shape.batch_bytes) + (0 if b.forward.budget is None else 1)
-    return moved_a < moved_b
+    if moved_a != moved_b:
+        return moved_a < moved_b
+    return a.peak < b.peak
 
 
 def _refine(

@@ -156,15 +156,7 @@ def _out_variant(
 ) -> tuple[Any, tuple[str, ...]] | None:
     """``func``'s ``out=`` variant if it gives the same bits as ``outputs`` (checked once per
     op, input layouts and scalar arguments), else ``None``."""
-    key = (
-        func,
-        tuple(
-            (tuple(v.shape), v.stride(), v.dtype, v.device.type)
-            if isinstance(v, torch.Tensor)
-            else repr(v)
-            for v in tree_leaves((args, kwargs))
-        ),
-    )
+    key = _variant_key(func, args, kwargs)
     if key in _VARIANTS:
         return _VARIANTS[key]
     if len(_VARIANTS) >= _MAX_VARIANTS:  # many shapes (dynamic padding): start over
@@ -187,6 +179,33 @@ def _out_variant(
             found = None
     _VARIANTS[key] = found
     return found
+
+
+def _variant_key(func: Any, args: tuple, kwargs: dict) -> tuple:
+    return (
+        func,
+        tuple(
+            (tuple(v.shape), v.stride(), v.dtype, v.device.type)
+            if isinstance(v, torch.Tensor)
+            else repr(v)
+            for v in tree_leaves((args, kwargs))
+        ),
+    )
+
+
+def check_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Device bytes a recipe taken now for op ``func`` (which returned ``out``) allocates at
+    once to check its ``out=`` variant: a scratch copy of the outputs, the first time an op
+    with these inputs is met in the process; 0 after, or where it has no such variant. The
+    replay makes room for them first, so the check stays within the plan's peak."""
+    if _variant_key(func, args, kwargs) in _VARIANTS:
+        return 0
+    leaves = tree_leaves(out)
+    if not leaves or not all(isinstance(v, torch.Tensor) for v in leaves):
+        return 0
+    if _find_variant(func, len(leaves)) is None:
+        return 0
+    return sum(v.numel() * v.element_size() for v in leaves)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

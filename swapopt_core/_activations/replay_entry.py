@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 
 from swapopt_core._activations.actions import ActionRunner
 from swapopt_core._activations.prediction import fresh_bytes
-from swapopt_core._activations.recipe import drop_recipes, keep_recipes
+from swapopt_core._activations.recipe import check_bytes, drop_recipes, keep_recipes
 from swapopt_core._activations.scope import Open, Scope, away_bytes
 from swapopt_core._activations.warmup import Seed, WarmupEntry
 
@@ -209,6 +209,11 @@ class ReplayEntry:
         tables, residency = self.tables, self.scope.residency  # a growth may have changed them
         recipes = tables.recipes[index]
         if recipes and func is not None:
+            scratch = check_bytes(func, args, kwargs or {}, out)
+            if scratch and residency.resident_bytes + scratch > self.limit:
+                # The first recipe of this op checks its out= variant in a scratch copy of
+                # its outputs: room is made for it as for any storage the plan counts.
+                self.hold_peak(index, scratch)
             keep_recipes(
                 recipes, residency.by_sid, tables.names[index], func, args, kwargs or {}, out
             )

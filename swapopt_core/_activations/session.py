@@ -69,7 +69,7 @@ class OffloadSession:
             the plugin manager (the message lists what is), ``runtime="auto"`` cannot
             choose (two runtimes declare one device type), ``device_budget_mb`` is given
             without ``optimizer`` (or the reverse), or the budget cannot hold the parameters,
-            their gradients and the update of the largest parameter's state.
+            their gradients and the state of the largest parameter (``BudgetTooSmall``).
 
     Example:
         >>> session = OffloadSession(OffloadConfig(max_resident_activation_mb=512))

@@ -1,16 +1,21 @@
 """One device budget for the whole step: the session plans the optimizer's update too.
 
 With ``OffloadConfig(device_budget_mb=N)`` and ``OffloadSession(config, optimizer=opt)`` the
-session owns the swap of ``opt``. The first step runs conservatively: every state swapped,
-one parameter per pipeline batch, no prefetch, and activations under what that leaves
-(parameters, gradients, the state that never moves and the update of the largest
-parameter's state taken from the budget). Its update is timed. After it, the whole-step
-planner (``swapopt_core._planning.whole_step``) chooses how much state stays resident,
-``swap_times``, the prefetch and the activation budget from the warmup's trace and the
-measured update; the swap is re-configured in place and the activation plans re-planned.
+session owns the swap of ``opt``. The first step's forward and backward are traced with
+activations under what the parameters, gradients, unmoving state and the batch read from
+outside leave. Before its update, where the whole step fits with every state resident and
+every activation kept, the update keeps its state (nothing moves, ever); otherwise it runs
+conservatively (every state swapped, one parameter per pipeline batch, no prefetch) and is
+measured. After it, the whole-step planner (``swapopt_core._planning.whole_step``) chooses how
+much state stays resident, ``swap_times``, the prefetch and the activation budget from the
+trace and the measured update; the swap is re-configured in place and the activation plans
+re-planned. A step that grows past the plan is traced and planned again, or refused
+(``BudgetTooSmall``).
 
-Every step (from the first entry of the session until ``opt.step()`` returns) is metered on
-the runtime's whole-step meter: ``OffloadStats.step_peak_device_bytes``.
+Steps are metered on the runtime's whole-step meter (from the first entry of a step until
+``opt.step()`` returns): ``OffloadStats.step_peak_device_bytes`` and
+``last_step_peak_device_bytes``. The budget's part of ``opt.step()`` is the ``"budget"`` part
+of the optimizer's ``StepHooks``, held weakly: closing or collecting the session removes it.
 """
 
 from __future__ import annotations
@@ -82,8 +87,8 @@ class StepBudget:
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
-        ValueError: The budget cannot hold the parameters, their gradients and the update of
-            the largest parameter's state.
+        BudgetTooSmall: The budget cannot hold the parameters, their gradients and the
+            state of the largest parameter.
     """
 
     def __init__(self, config: OffloadConfig, optimizer: Any, executor: Executor) -> None:

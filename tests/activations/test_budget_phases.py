@@ -121,3 +121,18 @@ def test_the_first_replay_keeps_the_budget(monkeypatch: pytest.MonkeyPatch) -> N
     assert stats.planned_step_peak_device_bytes is not None
     assert stats.planned_step_peak_device_bytes <= 64 * MIB
     assert stats.step_peak_device_bytes <= 64 * MIB, stats.step_peak_device_bytes / MIB
+
+
+def test_the_out_variant_check_is_priced_before_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first recipe of an op checks its out= variant in a scratch copy of its outputs:
+    the replay is told those bytes (and makes room for them) before the check, and nothing
+    after it; an op with no out= variant allocates nothing."""
+    monkeypatch.setattr(recipe, "_VARIANTS", {})
+    x = torch.randn(64, 32)
+    silu = torch.ops.aten.silu.default
+    out = silu(x)
+    assert recipe.check_bytes(silu, (x,), {}, out) == out.numel() * out.element_size()
+    recipe._out_variant(silu, (x,), {}, [out])  # the check, as a recipe runs it
+    assert recipe.check_bytes(silu, (x,), {}, out) == 0
+    view = torch.ops.aten.view.default
+    assert recipe.check_bytes(view, (x, [-1]), {}, view(x, [-1])) == 0

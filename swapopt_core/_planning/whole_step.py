@@ -79,7 +79,10 @@ def plan_step(inputs: StepInputs) -> StepPlan:
     best: _Candidate | None = None
     best_rung = 0
     units = len(opt.unit_bytes)
-    for fraction, times, prefetch in itertools.product(_FRACTIONS, _SWAP_TIMES, _PREFETCH):
+    # One unit per batch (the first step's settings) is tried too: a budget that step kept
+    # is never refused for want of a finer pipeline than the grid's.
+    swap_times = sorted({*_SWAP_TIMES, max(1, units)})
+    for fraction, times, prefetch in itertools.product(_FRACTIONS, swap_times, _PREFETCH):
         if times > max(1, units) or (fraction >= 1.0 and prefetch):
             continue  # the same as a smaller choice
         shape = update_shape(opt.unit_bytes, fraction, times, prefetch, link)

@@ -121,8 +121,8 @@ class StepBudget:
                 f"({format_bytes(budget)}) cannot hold the step: parameters "
                 f"{format_bytes(self.params_bytes)} + gradients {format_bytes(self.grads_bytes)}"
                 f" + the state of the largest parameter {format_bytes(_STATE_PER_PARAM * largest)}"
-                f" need {format_bytes(sure)}. Raise device_budget_mb above "
-                f"{-(-sure // 2**20)} MiB.",
+                f" need {format_bytes(sure)}. Raise device_budget_mb to at least "
+                f"{sure / 2**20:.2f}.",
                 sure,
             )
         # Forward and backward hold no staging (the update comes after them): the first
@@ -611,8 +611,18 @@ class StepBudget:
             format_bytes(self.budget),
             format_bytes(self.step_peak),
         )
+        # Its activations keep what is left now that the state exists (the state that
+        # never moves, step counts, was not there in the first step's forward).
+        held = {t.untyped_storage() for t in self._held() if t.device.type != "meta"}
+        room = (
+            self.budget
+            - self.params_bytes
+            - self.grads_bytes
+            - self._fixed_state_bytes()
+            - self.executor.outside_inputs.bytes_besides(held)
+        )
         self.executor.owned = None
-        self.executor.rebudget(self.executor.budget_bytes, None)
+        self.executor.rebudget(max(0, min(self.executor.budget_bytes, room)), None)
         self.executor.owned = "refuse"
 
     def _apply(self, plan: StepPlan) -> None:

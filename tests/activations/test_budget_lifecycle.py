@@ -280,3 +280,50 @@ def test_a_budget_at_the_plain_peak_moves_nothing_from_the_first_step_on(runtime
     stats = session.stats()
     assert (stats.h2d_bytes, stats.d2h_bytes) == (0, 0)
     assert stats.step_peak_device_bytes <= plain
+
+
+def _deep() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Forty layers: 80 parameters, more than the planner's grid of pipeline batches."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(40):
+        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_a_budget_the_first_step_kept_is_never_refused_after_it() -> None:
+    """Tight budgets around the floor: each is refused up front, or after a first step that
+    went over it, or kept by every step; never refused after a first step that kept it."""
+
+    def run(budget: float) -> tuple[str, list[int]]:
+        model, opt = _deep()
+        try:
+            session = _session(opt, budget / MIB, meter_every_step=True, min_offload_kib=0)
+        except BudgetTooSmall:
+            return "up front", []
+        peaks: list[int] = []
+        try:
+            for seed in range(3):
+                with session:
+                    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(seed))
+                    model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                peaks.append(session.stats().last_step_peak_device_bytes)
+        except BudgetTooSmall:
+            peaks.append(session.stats().last_step_peak_device_bytes)
+            return "refused", peaks
+        return "kept", peaks
+
+    plain = run(1 << 30)[1][-1]
+    outcomes = []
+    for share in (0.2, 0.25, 0.3):
+        budget = int(plain * share)
+        outcome, peaks = run(budget)
+        outcomes.append(outcome)
+        if outcome == "refused":
+            assert len(peaks) == 1 and peaks[0] > budget, (share, peaks, budget)
+        elif outcome == "kept":
+            assert max(peaks) <= budget, (share, peaks, budget)
+    assert "kept" in outcomes

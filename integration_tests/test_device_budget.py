@@ -9,6 +9,7 @@ budgets, one optimizer, the variable reaching each integration) are checked eith
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -212,6 +213,66 @@ def test_accelerate_under_a_budget_equals_plain() -> None:
         device_budget_mb=BUDGET_MB, runtime="loopback", min_numel=0, activation_runtime="loopback"
     )
     assert_same(plain, train(SwapAccelerator(cpu=True, swap_plugin=plugin)))
+
+
+class NoOptimizer:
+    """``configure_optimizers`` returns None: Lightning trains with a stand-in optimizer."""
+
+    def configure_optimizers(self) -> None:
+        return None
+
+
+def _big_batches() -> torch.utils.data.DataLoader:
+    """Batches whose activations (512 x 64 floats each) do not fit the small budget below."""
+    gen = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(2048, 32, generator=gen), torch.randn(2048, 4, generator=gen)
+    )
+    return torch.utils.data.DataLoader(data, batch_size=512)
+
+
+@pytest.mark.parametrize("way", ["callback", "environment"])
+def test_lightning_without_an_optimizer_keeps_activations_under_the_budget(
+    tmp_path, monkeypatch, caplog, way
+) -> None:
+    # With no optimizer the budget minus the parameters and their gradients is the
+    # activation budget (docs/lightning.md); it was refused as "0 optimizers" before.
+    package, budget_mb = M.LP, 0.5
+    if way == "callback":
+        callbacks = [
+            package.callback(
+                LOOPBACK, activation_offload=ACTIVATION_RUNTIME, device_budget_mb=budget_mb
+            )
+        ]
+    else:  # what `SWAPOPT_DEVICE_BUDGET_MB=0.5 swapopt run train.py` sets up
+        monkeypatch.setenv("SWAPOPT_LIGHTNING_AUTO", "1")
+        monkeypatch.setenv("SWAPOPT_DEVICE_BUDGET_MB", str(budget_mb))
+        monkeypatch.setenv("SWAPOPT_RUNTIME", "loopback")
+        monkeypatch.setenv("SWAPOPT_ACTIVATION_RUNTIME", "loopback")
+        callbacks = []
+    package.module.seed_everything(0, verbose=False)
+    model = package.model(NoOptimizer)()
+    trainer = M.trainer(tmp_path, callbacks, package, max_steps=3)
+    (callback,) = [c for c in trainer.callbacks if isinstance(c, package.callback)]
+    with caplog.at_level(logging.INFO, logger="swapopt_core"):
+        trainer.fit(model, _big_batches())
+    assert trainer.global_step == 3
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    activations = budget_mb * 2**20 - 2 * params  # the parameters and their gradients
+    (session,) = callback.offload_sessions.values()
+    assert session.config.device_budget_mb is None
+    assert session.config.max_resident_activation_mb == activations / 2**20
+    stats = session.stats()
+    assert stats.d2h_bytes > 0  # the activations did not fit: some were offloaded
+    assert 0 < stats.peak_resident_activation_bytes <= activations
+    said = [r.getMessage() for r in caplog.records if "keeps activations alone" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("swapopt: no optimizer, so the device budget")
+
+
+def test_lightning_without_an_optimizer_refuses_a_budget_below_its_parameters(tmp_path) -> None:
+    callback = M.LP.callback(LOOPBACK, device_budget_mb=0.01)
+    with pytest.raises(ValueError, match=r"cannot hold a step with no optimizer: parameters"):
+        M.fit(tmp_path, [callback], make=M.LP.model(NoOptimizer), package=M.LP, max_steps=1)
 
 
 # ---- the docs ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Process-wide facts ``swapopt run`` relies on: how many optimizers were swapped here (and
-whether an integration found none to swap and said so), the record of their figures and of
-the offload sessions' (``_record``), and the warning for a process that sets the offload flag
-without ``swapopt run``.
+whether an integration found none to swap and said so), why a device budget was not applied
+where a way in could not apply it, the record of their figures and of the offload sessions'
+(``_record``), and the warning for a process that sets the offload flag without ``swapopt run``.
 
 Framework-free and cheap. Importing swapopt reads no environment: the warning comes on first
 use, when the first plugin manager is built (every swap and offload session asks for one).
@@ -26,6 +26,8 @@ __all__ = [
     "BUDGET_ENV",
     "DEVICE_ENV",
     "RUN_ENV",
+    "budget_not_applied",
+    "note_budget_not_applied",
     "note_nothing_to_swap",
     "note_offload_session",
     "note_swapped",
@@ -48,6 +50,7 @@ BUDGET_ENV = "SWAPOPT_DEVICE_BUDGET_MB"
 _swapped = 0
 _sessions = 0
 _nothing_to_swap = 0
+_budget_not_applied: list[str] = []
 _warned = False
 
 
@@ -74,6 +77,17 @@ def note_nothing_to_swap() -> None:
 def nothing_to_swap_count() -> int:
     """How many times an integration said it had no optimizer to swap in this process."""
     return _nothing_to_swap
+
+
+def note_budget_not_applied(why: str) -> None:
+    """Note that a way in could not apply the device budget, and why (said once per reason)."""
+    if why not in _budget_not_applied:
+        _budget_not_applied.append(why)
+
+
+def budget_not_applied() -> list[str]:
+    """Why the device budget was not applied, one reason per way in that could not (in order)."""
+    return list(_budget_not_applied)
 
 
 def note_offload_session(session: object, snapshot: Callable[[], OffloadStats]) -> None:

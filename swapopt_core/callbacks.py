@@ -9,7 +9,9 @@ transformers``), or holds one for a loop of your own; it only translates its fra
 events into these calls and says where the config comes from (``from_environment`` reads
 the ``SWAPOPT_*`` variables). With a device budget (``device_budget_mb``) the session is
 ``OffloadSession(config, optimizer=opt)``: it plans the whole step, the optimizer's update
-after the window included. Nothing here computes or imports a training framework.
+after the window included; a fit with no optimizer keeps its activations under what the budget
+leaves beside the parameters and their gradients (``_budget.activations_alone``). Nothing
+here computes or imports a training framework.
 
 Example:
     >>> core = SwapCallbackCore(SwapOptimizerConfig(swap_times=8))
@@ -45,7 +47,13 @@ from swapopt_core import (
     unswap_optimizer,
 )
 from swapopt_core._automatic import refused, swap_automatically
-from swapopt_core._budget import budget_session, check_one_optimizer, with_device_budget
+from swapopt_core._budget import (
+    activations_alone,
+    budget_not_applied,
+    budget_session,
+    check_one_optimizer,
+    with_device_budget,
+)
 from swapopt_core._figures import offload_figures, summary_line, swap_figures
 from swapopt_core._launch import note_nothing_to_swap, warn_without_run
 from swapopt_core._refusals import deepspeed_offloads, engine_refusal
@@ -79,7 +87,9 @@ class SwapCallbackCore:
             step's forward and backward run inside ``OffloadSession(config,
             optimizer=opt)``, which plans the swap of ``opt`` (how much state stays
             resident, ``swap_times``, the prefetch) and the activations under it; the fit
-            needs exactly one optimizer. Exclusive with an activation budget in
+            needs one optimizer (with none, and ``parameters`` given to ``install``, the
+            budget minus them and their gradients is the activation budget). Exclusive
+            with an activation budget in
             ``activation_offload`` (whose runtime and planner it keeps). Default: None.
         auto: Created from the environment rather than by the user (see ``stand_by``).
         owner: How messages name the callback, e.g. ``"SwapOptimizerCallback"``.
@@ -167,6 +177,7 @@ class SwapCallbackCore:
         self._in_batch = False
         self._automatic = True
         self._unplanned = False  # a device budget whose optimizer swapopt cannot serve
+        self._alone: OffloadConfig | None = None  # a device budget's, with no optimizer
 
     def __getstate__(self) -> dict[str, Any]:
         # NOTE: ddp_spawn pickles callbacks into the workers; hooks and sessions stay here.
@@ -198,6 +209,7 @@ class SwapCallbackCore:
         automatic: bool = True,
         rank_zero: bool = True,
         offload_kept: bool = False,
+        parameters: Iterable[torch.Tensor] | None = None,
     ) -> None:
         """Swap every optimizer of this fit (those swapped by someone else already are kept).
 
@@ -208,13 +220,25 @@ class SwapCallbackCore:
             rank_zero: Whether this process logs.
             offload_kept: Take the state of a kept optimizer back to host memory now (a
                 checkpoint restore after its swap moved it to the device).
+            parameters: The model's parameters. With a device budget and no optimizer, the
+                budget minus them and their gradients becomes the activation budget of the
+                fit's sessions (logged); without them such a fit is refused.
+
+        Raises:
+            ValueError: A device budget and not one optimizer (none, and no
+                ``parameters``), or a budget that cannot hold the parameters and gradients.
         """
         self.remove()
         self._automatic, self.rank_zero = automatic, rank_zero
         self._optimizers = list(optimizers)
         self.offload_sessions, self.swap_stats = {}, []
-        if self.active:
-            check_one_optimizer(self.owner, self.device_budget_mb, len(self._optimizers))
+        offload = self.activation_offload
+        if self.active and offload is not None and offload.device_budget_mb is not None:
+            if not self._optimizers and parameters is not None:
+                self._alone, said = activations_alone(offload, parameters, self.owner)
+                self.say("%s", said)
+            else:
+                check_one_optimizer(self.owner, self.device_budget_mb, len(self._optimizers))
         for opt in self._optimizers:
             if is_swap_optimizer(opt):
                 self.say("swapopt: %s is already swapped; keeping it", type(opt).__name__)
@@ -228,6 +252,11 @@ class SwapCallbackCore:
                 self._handles.append(opt.register_step_post_hook(self._after_step))
         # NOTE: the budget plans the step of a swapped optimizer: without one it runs as plain.
         self._unplanned = self.device_budget_mb is not None and any(map(refused, self._optimizers))
+        if self._unplanned and self.active and self.rank_zero:
+            assert self.device_budget_mb is not None
+            names = ", ".join(type(opt).__name__ for opt in self._optimizers if refused(opt))
+            why = f"{names} is an optimizer swapopt cannot serve (left unswapped)"
+            budget_not_applied(self.device_budget_mb, why)
         swapped = len(self.swapped)
         self.say(
             "swapopt: optimizer swap on %d of %d optimizers (%d swapped here, %d swapped "
@@ -289,7 +318,8 @@ class SwapCallbackCore:
         # opened at a batch start, and in manual optimization the one after each optimizer.
         session = self.offload_sessions.get(self._window_key)
         if session is None:
-            session = budget_session(self.activation_offload, self._optimizers[:1], self._none)
+            config = self._alone or self.activation_offload
+            session = budget_session(config, self._optimizers[:1], self._none)
             self.offload_sessions[self._window_key] = session
         session.__enter__()
         self._open = session

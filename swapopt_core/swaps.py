@@ -6,8 +6,10 @@ once, the prepared optimizers and the activation session. ``release`` takes back
 such a state made (``note_swapped_by``), wherever the optimizer is used next, e.g. when a
 ``transformers.Trainer`` callback takes over an optimizer an accelerator swapped. The state
 also counts the optimizer steps and hands the ``swapopt/...`` figures to the framework's
-logger every ``REPORT_EVERY_N_STEPS`` of them (``SwapState.report``). Nothing here imports a
-training framework.
+logger every ``REPORT_EVERY_N_STEPS`` of them (``SwapState.report``). With a device budget,
+``follow_steps`` applies it to a loop that never asks for the session (a plain script under
+``swapopt run``): the session opens at the model's training forward and closes right before
+the optimizer's ``step()``. Nothing here imports a training framework.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from swapopt_core import (
     swap_stats,
     unswap_optimizer,
 )
-from swapopt_core._automatic import swap_automatically
-from swapopt_core._budget import budget_session
+from swapopt_core._activations.session import _ACTIVE
+from swapopt_core._automatic import refused, swap_automatically
+from swapopt_core._budget import budget_not_applied, budget_session, budget_setting
 from swapopt_core._figures import offload_figures, swap_figures
 from swapopt_core.options import SwapSettings
 
@@ -112,6 +115,9 @@ class SwapState:
         self.report: Callable[[SwapState], object] | None = None
         self.report_every = REPORT_EVERY_N_STEPS
         self._counted: tuple[object, Any] | None = None  # (optimizer, its step post-hook)
+        self._window: OffloadSession | None = None  # the session follow_steps entered
+        self._followed: list[tuple[object, Any]] = []  # (module or optimizer, its hook)
+        self._not_applied = False  # follow_steps found the budget cannot apply
 
     @classmethod
     def of(
@@ -162,6 +168,103 @@ class SwapState:
         self.optimizers = [opt for opt in self.optimizers if self.unwrap(opt) is not optimizer]
         if self._counted is not None and self._counted[0] is optimizer:
             self._uncount()
+        self._unfollow(optimizer)
+
+    # ---- the device budget of a loop that never asks for the session ---------------------
+
+    def follow_steps(self, prepared: Iterable[Any]) -> None:
+        """Apply the device budget to an unmodified loop over ``prepared`` objects.
+
+        The session of the one optimizer kept here (``offload_session``) is entered at each
+        training forward of a prepared module (training mode, gradients on) unless a
+        session is active already (the script's own, a callback's) or one is open, and left
+        right before the optimizer's ``step()`` runs: the step's forward and backward (a whole
+        accumulation window's) run inside it and the update after it is planned with them.
+        Where the budget cannot apply (no optimizer prepared before the first training
+        forward, or one swapopt cannot serve) it says so once (``budget_not_applied``) and
+        the loop trains without it. Does nothing without a device budget.
+        """
+        config = self.plugin.offload_config()
+        if config is None or config.device_budget_mb is None:
+            return
+        hooked = [target for target, _ in self._followed]
+        for obj in prepared:
+            if any(obj is target for target in hooked):
+                continue
+            if isinstance(obj, torch.nn.Module):
+                handle = obj.register_forward_pre_hook(self._training_forward)
+                self._followed.append((obj, handle))
+        for obj in self.optimizers:
+            inner = self.unwrap(obj)
+            if not any(inner is target for target in hooked):
+                # NOTE: registered before the session exists, so it runs before the hooks
+                # the session puts on the optimizer: the window is closed when they run.
+                handle = inner.register_step_pre_hook(self._before_update)
+                self._followed.append((inner, handle))
+
+    def _training_forward(self, module: torch.nn.Module, args: object) -> None:
+        if self._window is not None or self._not_applied:
+            return
+        if not (module.training and torch.is_grad_enabled()) or _ACTIVE.get() is not None:
+            return
+        session = self._followed_session()
+        if session is not None:
+            session.__enter__()
+            self._window = session
+
+    def _followed_session(self) -> OffloadSession | None:
+        """The session ``follow_steps`` enters; None (said once) where the budget cannot apply.
+
+        Raises:
+            ValueError: Several optimizers were prepared (a device budget plans one), or the
+                budget cannot hold the step (the message names its setting).
+        """
+        if self.session is not None:
+            return self.session
+        config = self.plugin.offload_config()
+        assert config is not None and config.device_budget_mb is not None
+        budget = config.device_budget_mb
+        inner = [self.unwrap(opt) for opt in self.optimizers]
+        why = None
+        if not inner:
+            why = (
+                "no optimizer was prepared before the model's first training forward, and the "
+                "budget plans the step of the one optimizer accelerator.prepare() returns; "
+                "prepare the optimizer the script steps"
+            )
+        elif len(inner) > 1:
+            raise ValueError(
+                f"{budget_setting(budget)} plans one optimizer's step, but {len(inner)} "
+                "optimizers were prepared. Train with one optimizer, or budget activations "
+                "alone (SWAPOPT_ACTIVATION_BUDGET_MB with SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu) "
+                "instead of the device budget."
+            )
+        elif refused(inner[0]):
+            why = f"{type(inner[0]).__name__} is an optimizer swapopt cannot serve (left unswapped)"
+        if why is not None:
+            self._not_applied = True
+            budget_not_applied(budget, why)
+            return None
+        return self.offload_session("a device budget")
+
+    def _before_update(self, optimizer: object, args: object, kwargs: object) -> None:
+        self.close_window()
+
+    def close_window(self) -> None:
+        """Leave the session ``follow_steps`` entered, if it is open."""
+        window, self._window = self._window, None
+        if window is not None:
+            window.__exit__(None, None, None)
+
+    def _unfollow(self, target: object | None = None) -> None:
+        """Remove ``follow_steps``' hooks (on ``target`` only, when given)."""
+        kept = []
+        for obj, handle in self._followed:
+            if target is None or obj is target:
+                handle.remove()
+            else:
+                kept.append((obj, handle))
+        self._followed = kept
 
     def _uncount(self) -> None:
         if self._counted is not None:
@@ -185,6 +288,9 @@ class SwapState:
 
     def unswap(self) -> None:
         """Unswap every optimizer kept here (also those swapped before) and drop the session."""
+        self.close_window()
+        self._unfollow()
+        self._not_applied = False
         optimizers, self.optimizers, self.session = self.optimizers, [], None
         self._uncount()
         for opt in optimizers:

@@ -2,11 +2,14 @@
 
 ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu accelerate launch --no_python swapopt run train.py``
 makes every ``Accelerator`` swap, with no change to ``train.py`` (``install_globally`` puts
-this module's ``prepare`` and ``free_memory`` on the class); ``SwapAccelerator`` has them as
-methods; the module functions take any ``Accelerator``. All keep one
-``swapopt_core.swaps.SwapState`` as ``accelerator._swapopt`` (settings, swapped optimizers,
-session). The swap is installed in place on each ``AcceleratedOptimizer``'s inner optimizer,
-so schedulers, the gradient scaler and accumulation keep working; loading needs no patch
+this module's ``prepare`` and ``free_memory`` on the class); with ``SWAPOPT_DEVICE_BUDGET_MB``
+that ``prepare`` also runs each step of the script's loop in the whole-step session
+(``SwapState.follow_steps``). ``SwapAccelerator`` has them as methods (its session is
+``offload_session()``, which the script enters); the module functions take any
+``Accelerator``. All keep one ``swapopt_core.swaps.SwapState`` as ``accelerator._swapopt``
+(settings, swapped optimizers, session). The swap is installed in place on each
+``AcceleratedOptimizer``'s inner optimizer, so schedulers, the gradient scaler and
+accumulation keep working; loading needs no patch
 (``load_state_dict`` hooks put loaded state in host memory). With trackers configured
 (``Accelerator(log_with=...)``) the ``swapopt/...`` figures go to ``accelerator.log`` every
 ``REPORT_EVERY_N_STEPS`` (50) optimizer steps on the main process; ``log_figures`` logs them
@@ -152,6 +155,18 @@ def prepare(
     return prepared
 
 
+def _prepare_and_follow(
+    accelerator: Accelerator, *objects: Any, device_placement: list[bool] | None = None
+) -> Any:
+    """``prepare``, and with a device budget the whole-step session around each step of the
+    loop over what it prepared (``install_globally``'s ``prepare``, for a script that never
+    asks for the session)."""
+    prepared = prepare(accelerator, *objects, device_placement=device_placement)
+    objs = prepared if isinstance(prepared, tuple) else (prepared,)
+    _state(accelerator).follow_steps(objs)
+    return prepared
+
+
 def free_memory(accelerator: Accelerator, *objects: Any) -> Any:
     """Unswap the optimizers swapped through ``accelerator`` (a reference still held keeps
     working, state back on the device), then Accelerate's ``free_memory(*objects)``."""
@@ -224,9 +239,12 @@ class SwapAccelerator(Accelerator):
 def install_globally() -> bool:
     """Make every ``Accelerator`` swap the optimizers it prepares, when the environment asks.
 
-    With ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` (read as ``SwapAccelerator()`` reads it) it
-    puts ``prepare`` and ``free_memory`` on ``Accelerator`` itself, so existing and future
-    instances swap alike (``swapopt run`` calls it); else it changes nothing. Idempotent.
+    With ``SWAPOPT_OFFLOAD_OPTIMIZER_DEVICE=cpu`` or ``SWAPOPT_DEVICE_BUDGET_MB`` (read as
+    ``SwapAccelerator()`` reads them) it puts ``prepare`` and ``free_memory`` on
+    ``Accelerator`` itself, so existing and future instances swap alike (``swapopt run`` calls
+    it); with the device budget each step of the loop over what ``prepare`` returned runs in
+    the whole-step session, opened at the model's training forward and closed before the
+    optimizer's ``step()``. Else it changes nothing. Idempotent.
 
     Returns:
         Whether the patch is in place (``False`` when the variables ask for no swap).
@@ -234,7 +252,8 @@ def install_globally() -> bool:
     Raises:
         ValueError: A ``SWAPOPT_*`` variable has an invalid value (the message names it).
     """
-    return _patch.install({"prepare": _patch.guard("prepare", prepare), "free_memory": free_memory})
+    methods = {"prepare": _patch.guard("prepare", _prepare_and_follow), "free_memory": free_memory}
+    return _patch.install(methods)
 
 
 #: ``uninstall_globally()`` puts ``Accelerator``'s own methods back (optimizers swapped

@@ -104,7 +104,12 @@ class _SwapHooks(SwapCallbackCore):
         if len(real) < len(optimizers):
             # NOTE: Lightning trains such a module with a stand-in that has no state.
             self.nothing_to_swap("configure_optimizers returned None (no optimizer)")
-        self.install(real, automatic=pl_module.automatic_optimization, rank_zero=self.rank_zero)
+        automatic = pl_module.automatic_optimization
+        # The parameters set the activations' share of a device budget when there is no
+        # optimizer (the arithmetic is the core's).
+        self.install(
+            real, automatic=automatic, rank_zero=self.rank_zero, parameters=pl_module.parameters()
+        )
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Lightning restored the checkpoint after on_fit_start and moved the state to the
@@ -182,13 +187,16 @@ if _pl is not None:
             activation_offload: Activation budget and runtime. Default: None (no offload).
             device_budget_mb: The most device memory, in MiB, one training step may hold (one
                 optimizer): the session is then ``OffloadSession(config, optimizer=opt)`` and
-                plans the whole step under it. Exclusive with an activation budget in
+                plans the whole step under it; with no optimizer (``configure_optimizers``
+                returned None) the budget minus the parameters and their gradients is the
+                activation budget. Exclusive with an activation budget in
                 ``activation_offload``, whose runtime it keeps. Default: None.
 
         Raises:
             TypeError: An argument has the wrong type.
             ValueError: ``device_budget_mb`` with an activation budget; at fit start, a
-                device budget with other than one optimizer.
+                device budget with several optimizers, or with none and below the
+                parameters and their gradients.
             MisconfigurationException: At setup, for a strategy that manages the same
                 state itself (DeepSpeed, FSDP with ``cpu_offload``).
 

@@ -11,8 +11,10 @@ after the normal shutdown, as Python does.
 
 On stderr, so the script's stdout stays its own: a line before the script on what the
 settings ask for, and after it the summary of what was swapped and offloaded
-(``run_summary``, from the process-wide record ``swapopt_core._record``), on the first
-process of each machine only.
+(``run_summary``, from the process-wide record ``swapopt_core._record``) and of a device
+budget that was not applied, on the first process of each machine only. A budget the step
+cannot fit in stops the script with the planner's error, which then names
+``SWAPOPT_DEVICE_BUDGET_MB`` when that variable set it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from typing import TYPE_CHECKING
 
 from swapopt_core._cli.run_summary import integrations_line, summary_lines
 from swapopt_core._launch import (
+    BUDGET_ENV,
     RUN_ENV,
+    budget_not_applied,
     nothing_to_swap_count,
     offload_session_count,
     swap_flag,
@@ -138,13 +142,31 @@ def _local_main() -> bool:
     return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
 
 
-def _print_summary() -> None:
+def _budget_not_applied(sessions: int, *, succeeded: bool) -> list[str]:
+    """Why ``SWAPOPT_DEVICE_BUDGET_MB`` was not applied here: what the ways in noted, else,
+    after a script that ran to its end with no ``OffloadSession`` at all, that no step ran
+    under it."""
+    noted = budget_not_applied()
+    budget = os.environ.get(BUDGET_ENV, "").strip()
+    if noted or not succeeded or sessions or swap_flag({BUDGET_ENV: budget}) is None:
+        return noted
+    return [
+        f"{BUDGET_ENV}={budget}: no step ran in a whole-step OffloadSession in this process "
+        "(swapopt run applies it to a Lightning or transformers Trainer and to the loop over "
+        "what a plain Accelerator's prepare() returned; elsewhere use OffloadSession(config, "
+        "optimizer=opt) or accelerator.offload_session())"
+    ]
+
+
+def _print_summary(*, succeeded: bool = True) -> None:
     """Sum up what was swapped and offloaded in this process, on stderr (the script's
     stdout stays its own); only the first process on each machine prints."""
     if not _local_main():
         return
     try:
-        lines = summary_lines(swap_entries(), session_entries())
+        sessions = session_entries()
+        not_applied = _budget_not_applied(len(sessions), succeeded=succeeded)
+        lines = summary_lines(swap_entries(), sessions, not_applied)
     except Exception as error:  # noqa: BLE001 - the script's result must not change for it
         logger.warning("swapopt run: no summary of this run (%s: %s)", type(error).__name__, error)
         return
@@ -334,6 +356,7 @@ def run(target: RunTarget) -> int:
         _printed_already(sys.excepthook)
         raise
     except BaseException as exc:  # noqa: BLE001 - printed like Python prints it
+        _name_budget_variable(exc)
         _end(succeeded=False)
         _print_uncaught(exc)
         return 1
@@ -348,6 +371,16 @@ def _end(*, succeeded: bool) -> None:
     the error Python prints for it, so that the error stays last on the screen.
     """
     sys.stdout.flush()
-    _print_summary()
+    _print_summary(succeeded=succeeded)
     if succeeded:
         _warn_if_nothing_swapped()
+
+
+def _name_budget_variable(exc: BaseException) -> None:
+    """A budget the planner found too small (``BudgetTooSmall``, raised by the step after
+    the first one was measured) names ``SWAPOPT_DEVICE_BUDGET_MB`` when that variable is set."""
+    from swapopt_core._budget import name_budget_variable
+    from swapopt_core._planning.step_types import BudgetTooSmall
+
+    if isinstance(exc, BudgetTooSmall):
+        name_budget_variable(exc)

@@ -104,16 +104,22 @@ def _session_line(number: int, stats: OffloadStats) -> str:
     return line
 
 
-def summary_lines(swaps: Sequence[SwapEntry], sessions: Sequence[OffloadStats]) -> list[str]:
-    """The summary: a line per swapped optimizer and per offload session, then the total.
+def summary_lines(
+    swaps: Sequence[SwapEntry],
+    sessions: Sequence[OffloadStats],
+    budget_not_applied: Sequence[str] = (),
+) -> list[str]:
+    """The summary: a line per swapped optimizer and per offload session, then the total,
+    then a line per reason a device budget was not applied (``budget_not_applied``).
 
     Kept off the device is the swappable state minus its peak on the device; bytes moved per
     step are the copies in (host to device) and out since the swap was installed, divided by
     its steps. The first ``MAX_LINES`` optimizers and sessions get a line; the total counts
-    all. Empty when nothing was swapped or offloaded.
+    all. Empty when nothing was swapped or offloaded and no budget went unapplied.
     """
+    not_applied = [f"  device budget NOT applied, {why}" for why in budget_not_applied]
     if not swaps and not sessions:
-        return []
+        return [f"{PREFIX}what swapopt did in this process:", *not_applied] if not_applied else []
     lines = [f"{PREFIX}what swapopt did in this process:"]
     lines += [_optimizer_line(entry) for entry in swaps[:MAX_LINES]]
     if len(swaps) > MAX_LINES:
@@ -131,4 +137,4 @@ def summary_lines(swaps: Sequence[SwapEntry], sessions: Sequence[OffloadStats]) 
         total.insert(0, f"{format_bytes(kept_off)} of optimizer state kept off the device")
         total.append(f"per optimizer step {format_bytes(h2d)} in, {format_bytes(d2h)} out")
     lines.append(f"  total: {', '.join(total)}")
-    return lines
+    return lines + not_applied

@@ -34,6 +34,9 @@ class OptimizerCosts:
             swapped): on the device for the whole step.
         staging_factor: Device bytes the update holds per byte of its largest swapped batch
             (the staging of up to three batches, the undo copy, the update's temporaries).
+        resident_factor: Device bytes the update holds per byte of a batch whose state is
+            resident (its undo copy and temporaries: no staging); ``None``: as
+            ``staging_factor``.
         batch_overhead_ms: Fixed time per pipeline batch (launches, waits).
     """
 
@@ -41,6 +44,7 @@ class OptimizerCosts:
     update_ms_per_byte: float
     fixed_state_bytes: int = 0
     staging_factor: float = 3.0
+    resident_factor: float | None = None
     batch_overhead_ms: float = 0.0
 
 

@@ -57,14 +57,16 @@ class UpdateShape:
     prefetch_bytes: int
     resident_batch_bytes: tuple[int, ...] = ()
 
-    def extra_bytes(self, staging_factor: float) -> int:
+    def extra_bytes(self, staging_factor: float, resident_factor: float | None = None) -> int:
         """Device bytes the update holds beyond the resident state: ``staging_factor`` times
-        the batch being updated, and while a resident batch is, the swapped batches whose
-        copies in run meanwhile (up to two: the pipeline keeps three batches)."""
+        a swapped batch being updated, or ``resident_factor`` (default: the same) times a
+        resident one plus the swapped batches whose copies in run meanwhile (up to two: the
+        pipeline keeps three batches)."""
         swapped = max(self.batch_bytes, default=0)
         resident = max(self.resident_batch_bytes, default=0)
+        per_resident = staging_factor if resident_factor is None else resident_factor
         arriving = sum(self.batch_bytes[: HELD_BATCHES - 1]) if resident else 0
-        return int(staging_factor * max(swapped, resident) + arriving)
+        return int(max(staging_factor * swapped, per_resident * resident + arriving))
 
     @property
     def largest_batch(self) -> int:

@@ -110,7 +110,7 @@ def plan_step(inputs: StepInputs) -> StepPlan:
         plain_peak_bytes=plain[0],
         plain_step_ms=plain[1],
         largest_batch_bytes=best.shape.largest_batch,
-        update_extra_bytes=best.shape.extra_bytes(opt.staging_factor),
+        update_extra_bytes=best.shape.extra_bytes(opt.staging_factor, opt.resident_factor),
     )
 
 
@@ -153,7 +153,8 @@ def _may_fit(inputs: StepInputs, acts: Activations, base: int, shape: UpdateShap
     """Whether the parts no activation plan changes fit: the gradients and prefetch at the
     end of backward, the update's staging."""
     held = base + shape.resident_bytes + acts.grads[-1] + acts.retained
-    staging = shape.extra_bytes(inputs.optimizer.staging_factor)
+    opt = inputs.optimizer
+    staging = shape.extra_bytes(opt.staging_factor, opt.resident_factor)
     return max(held + shape.prefetch_bytes, held + staging) <= inputs.budget_bytes
 
 
@@ -175,7 +176,7 @@ def _evaluate(
         held
         + inputs.grads_bytes
         + acts.retained
-        + int(inputs.optimizer.staging_factor * shape.largest_batch)
+        + shape.extra_bytes(inputs.optimizer.staging_factor, inputs.optimizer.resident_factor)
     )
     peak = max(
         held + forward.before_backward,

@@ -38,6 +38,7 @@ from swapopt_core._device.meter import AllocatorMeter, StepMeter
 from swapopt_core._errors import SwapOptWarning
 from swapopt_core._planning.floor import format_bytes
 from swapopt_core._planning.index import TraceIndex
+from swapopt_core._planning.partition import partition
 from swapopt_core._planning.update_model import HELD_BATCHES
 from swapopt_core._planning.whole_step import (
     BudgetTooSmall,
@@ -57,6 +58,10 @@ __all__ = ["StepBudget"]
 #: Device bytes the update holds per byte of its largest batch before one was measured:
 #: three staged batches and the undo copy of one.
 _FIRST_STAGING_FACTOR = 4.0
+#: Device bytes the update holds per byte of a resident batch, at least: its undo copy and
+#: the update's temporaries (a foreach update makes about one more of the batch at once,
+#: which a first update of one parameter per batch does not show).
+_FIRST_RESIDENT_FACTOR = 2.0
 #: Head room on the first plan's price of a batch: the first update ran one parameter per
 #: batch, and bigger batches hold somewhat more per byte (the plan is corrected once a
 #: planned update was metered).
@@ -139,6 +144,7 @@ class StepBudget:
         self._grew: tuple[int, int] | None = None  # saved bytes: planned, then seen
         self._traced_before = 0
         self._plan_due = False  # a step traced again after it grew: plan after its update
+        self._first_kept_state = False  # the first update ran with every state resident
         # The warmup keeps activations under what the conservative update leaves.
         executor.budget_bytes = max(0, left - self._fixed_state_bytes())
         logger.info(
@@ -154,6 +160,7 @@ class StepBudget:
         self._inputs: StepInputs | None = None  # what the current plan was made from
         self._update_start = 0
         self._phase_peak = 0  # the current step's forward and backward peak
+        self._state_at_start = 0  # device bytes of unmoving state as the update began
         self._to_meter = METERED_STEPS  # steps a storage-counting meter still watches
         self._every_step = config.meter_every_step
         self.last_step_peak = 0
@@ -419,6 +426,7 @@ class StepBudget:
             self._phase_peak = meter.restart_peak()
             self.step_peak = max(self.step_peak, self._phase_peak)
             self._update_start = meter.current_bytes
+            self._state_at_start = self._fixed_state_bytes()
         if not self._planned_once and self.plan is None:
             self._plan_first_update()
 
@@ -448,6 +456,7 @@ class StepBudget:
                 update_ms_per_byte=0.0,  # not measured yet: only "does it all fit" is asked
                 fixed_state_bytes=self._fixed_state_bytes(),
                 staging_factor=_FIRST_STAGING_FACTOR,
+                resident_factor=_FIRST_RESIDENT_FACTOR,
             ),
             trace=trace.with_limit(None),
             backward_start_op=start,
@@ -478,6 +487,7 @@ class StepBudget:
                 prefetch_batches=0,
             ),
         )
+        self._first_kept_state = True
 
     def _predicted_state(self, param: torch.Tensor) -> int:
         """Swappable state bytes of ``param``: what it has, else Adam's two per byte."""
@@ -503,7 +513,10 @@ class StepBudget:
             update_peak = meter.end()
             self.last_step_peak = max(self._phase_peak, update_peak)
             self.step_peak = max(self.step_peak, update_peak)
-            extra = max(0, update_peak - self._update_start)
+            # State the update created and kept (a fresh optimizer's, kept resident) is
+            # state, not what the update holds besides it.
+            created = max(0, self._fixed_state_bytes() - self._state_at_start)
+            extra = max(0, update_peak - self._update_start - created)
             if self._update_extra is None:
                 self._update_extra = extra
             elif self.plan is not None and self._inputs is not None:
@@ -536,15 +549,30 @@ class StepBudget:
         planned = self.plan.update_extra_bytes
         if not largest or extra <= planned * 1.01:
             return
-        factor = costs.staging_factor * extra / planned if planned else extra / largest
-        costs = dataclasses.replace(costs, staging_factor=factor)
         logger.info(
             "swapopt: the update held %s beyond its start, over the %s planned; planning again",
             format_bytes(extra),
             format_bytes(planned),
         )
-        self._inputs = dataclasses.replace(self._inputs, optimizer=costs)
-        self._apply(plan_step(self._inputs))
+        # The price of a batch is a max of terms (staged batches, a resident one and what
+        # arrives meanwhile), so scaling the factors scales it less: scale until the plan
+        # prices its update at what was seen (a few rounds at most).
+        inputs, plan = self._inputs, self.plan
+        for _ in range(4):
+            scale = extra / planned if planned else extra / largest / costs.staging_factor
+            resident = costs.resident_factor
+            costs = dataclasses.replace(
+                costs,
+                staging_factor=costs.staging_factor * scale,
+                resident_factor=None if resident is None else resident * scale,
+            )
+            inputs = dataclasses.replace(inputs, optimizer=costs)
+            plan = plan_step(inputs)
+            planned = plan.update_extra_bytes
+            if planned >= extra or plan.largest_batch_bytes != largest:
+                break
+        self._inputs = inputs
+        self._apply(plan)
 
     def _make_plan(self) -> None:
         costs = self.engine.costs()
@@ -559,6 +587,11 @@ class StepBudget:
             )
             return
         largest = max(costs.unit_bytes, default=0)
+        if self._first_kept_state and costs.unit_bytes:
+            # The first update kept its state, in ``swap_times`` batches of several units.
+            units = costs.unit_bytes
+            runs = partition(list(units), self.engine.config.swap_times)
+            largest = max(sum(units[k] for k in run) for run in runs)
         if self._update_extra is not None and largest:
             # The first update ran one parameter per batch. Its staging (what the ledger saw
             # staged at once) says little of batches of equal size, whose three staged ones
@@ -569,7 +602,16 @@ class StepBudget:
             staged = max(0, ledger.window_peak - ledger.held)
             besides = max(0, self._update_extra - staged) / largest
             measured = max(self._update_extra / largest, HELD_BATCHES + besides) * _BATCH_MARGIN
-            costs = dataclasses.replace(costs, staging_factor=max(costs.staging_factor, measured))
+            # A batch whose state stays resident is staged nowhere: where the first update
+            # kept its state, what it held besides is a resident batch's measured price.
+            # Priced from swapped batches of one parameter, a resident batch costs what a
+            # swapped one does (a foreach update's temporaries grow with the batch).
+            resident = max(_FIRST_RESIDENT_FACTOR, besides) if self._first_kept_state else None
+            costs = dataclasses.replace(
+                costs,
+                staging_factor=max(costs.staging_factor, measured),
+                resident_factor=resident,
+            )
         ready = tuple(self.executor.gradient_ready)
         start = min((op for op, _ in ready), default=None)
         if start is None:

@@ -57,6 +57,7 @@ from swapopt_core._budget import (
 from swapopt_core._figures import offload_figures, summary_line, swap_figures
 from swapopt_core._launch import note_nothing_to_swap, warn_without_run
 from swapopt_core._refusals import deepspeed_offloads, engine_refusal
+from swapopt_core._step.hooks import StepHooks
 from swapopt_core.options import auto_enabled, read_settings
 
 logger = logging.getLogger(__name__)
@@ -249,7 +250,7 @@ class SwapCallbackCore:
             elif self.swap_enabled and swap_automatically(opt, self.config):
                 self._installed.append(opt)
             if self.activation_offload is not None:
-                self._handles.append(opt.register_step_post_hook(self._after_step))
+                self._handles.append(StepHooks.of(opt).join("window", post=self._after_step))
         # NOTE: the budget plans the step of a swapped optimizer: without one it runs as plain.
         self._unplanned = self.device_budget_mb is not None and any(map(refused, self._optimizers))
         if self._unplanned and self.active and self.rank_zero:

@@ -33,6 +33,7 @@ from swapopt_core._activations.session import _ACTIVE
 from swapopt_core._automatic import refused, swap_automatically
 from swapopt_core._budget import budget_not_applied, budget_session, budget_setting
 from swapopt_core._figures import offload_figures, swap_figures
+from swapopt_core._step.hooks import StepHooks
 from swapopt_core.options import SwapSettings
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class SwapState:
         prepared = list(prepared)
         if self._counted is None and prepared:
             inner = self.unwrap(prepared[0])
-            self._counted = (inner, inner.register_step_post_hook(self._stepped))
+            self._counted = (inner, StepHooks.of(inner).join("counter", post=self._stepped))
         if not self.plugin.enabled:
             return
         config = self.plugin.swap_config()
@@ -197,10 +198,9 @@ class SwapState:
         for obj in self.optimizers:
             inner = self.unwrap(obj)
             if not any(inner is target for target in hooked):
-                # NOTE: registered before the session exists, so it runs before the hooks
-                # the session puts on the optimizer: the window is closed when they run.
-                handle = inner.register_step_pre_hook(self._before_update)
-                self._followed.append((inner, handle))
+                # The window closes before the budget's part of the step runs (StepHooks).
+                joined = StepHooks.of(inner).join("window", pre=self._before_update)
+                self._followed.append((inner, joined))
 
     def _training_forward(self, module: torch.nn.Module, args: object) -> None:
         if self._window is not None or self._not_applied:

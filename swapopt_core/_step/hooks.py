@@ -23,17 +23,22 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["POST_ORDER", "PRE_ORDER", "StepHooks"]
+__all__ = ["POST_ORDER", "PRE_ORDER", "StepHookHandle", "StepHooks"]
 
 _ATTR = "_swapopt_step_hooks"
 
-#: Pre-hook parts, first to last: the budget wraps the closure first (its update phase,
-#: and the first update's plan, start once the closure returned), the per-parameter path
-#: around it (it hides the groups after that, so the budget still sees them).
-PRE_ORDER = ("budget", "hiding")
+#: Pre-hook parts, first to last: an integration that runs the step's forward and backward
+#: in a session closes its window (``window``); the budget wraps the closure (its update
+#: phase, and the first update's plan, start once the closure returned); the per-parameter
+#: path around it (it hides the groups after that, so the budget still sees them).
+PRE_ORDER = ("window", "budget", "hiding")
 #: Post-hook parts, first to last: the groups shown again, the swapped update, the budget's
-#: meter closed over the whole update.
-POST_ORDER = ("hiding", "engine", "budget")
+#: meter closed over the whole update, then the integrations: the next window of a manual
+#: loop (``window``) and the count of steps (``counter``).
+POST_ORDER = ("hiding", "engine", "budget", "window", "counter")
+_PARTS = frozenset(PRE_ORDER) | frozenset(POST_ORDER)
+#: Parts an optimizer has at most one of; the integrations' may be several (in join order).
+_SINGLE = frozenset({"hiding", "engine", "budget"})
 
 PreHook = Callable[
     [torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]],
@@ -91,12 +96,25 @@ def _hold(fn: Callable[..., Any] | None, weak: bool) -> Callable[[], Any]:
     return lambda: fn
 
 
+class StepHookHandle:
+    """A part's membership of an optimizer's ``StepHooks``; ``remove()`` (or a call) ends it.
+    Holds the owner, not the part's object (which may be held weakly)."""
+
+    def __init__(self, owner: StepHooks, name: str, part: _Part) -> None:
+        self._owner, self._name, self._part = owner, name, part
+
+    def remove(self) -> None:
+        self._owner._leave(self._name, self._part)
+
+    __call__ = remove
+
+
 class StepHooks:
     """swapopt's hooks on one optimizer's ``step``; get it with ``StepHooks.of(opt)``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
-        self._parts: dict[str, _Part] = {}
+        self._parts: dict[str, list[_Part]] = {}
         self._pre_handle = optimizer.register_step_pre_hook(self._before)
         self._post_handle = optimizer.register_step_post_hook(self._after)
         # The swapped update runs in our post-hook: post-hooks the user registered earlier
@@ -124,7 +142,7 @@ class StepHooks:
     @property
     def parts(self) -> tuple[str, ...]:
         """The names of the parts now joined, in post-hook order."""
-        return tuple(name for name in POST_ORDER if name in self._parts)
+        return tuple(name for name in POST_ORDER if self._parts.get(name))
 
     def join(
         self,
@@ -134,8 +152,9 @@ class StepHooks:
         post: PostHook | None = None,
         abort: Callable[[], None] | None = None,
         weak: bool = False,
-    ) -> Callable[[], None]:
-        """Add the part ``name``; returns the function that removes it.
+    ) -> StepHookHandle:
+        """Add the part ``name``; returns the handle that removes it (``remove()``, or a
+        call).
 
         Args:
             name: One of ``PRE_ORDER`` / ``POST_ORDER``.
@@ -149,26 +168,34 @@ class StepHooks:
         Raises:
             ValueError: ``name`` is not a known part, or the part has joined already.
         """
-        if name not in POST_ORDER and name not in PRE_ORDER:
-            raise ValueError(f"unknown step-hook part {name!r}; known: {POST_ORDER}")
-        old = self._parts.get(name)
-        if old is not None and not old.dead:
+        if name not in _PARTS:
+            raise ValueError(f"unknown step-hook part {name!r}; known: {sorted(_PARTS)}")
+        members = [p for p in self._parts.get(name, []) if not p.dead]
+        if members and name in _SINGLE:
             raise ValueError(f"the step-hook part {name!r} has joined this optimizer already")
         part = _Part(pre, post, abort, weak)
-        self._parts[name] = part
+        self._parts[name] = [*members, part]
 
-        def leave() -> None:
-            if self._parts.get(name) is part:
+        return StepHookHandle(self, name, part)
+
+    def _leave(self, name: str, part: _Part) -> None:
+        members = self._parts.get(name, [])
+        if any(p is part for p in members):
+            kept = [p for p in members if p is not part]
+            if kept:
+                self._parts[name] = kept
+            else:
                 del self._parts[name]
-                if not self._parts:
-                    self._close()
-
-        return leave
+            if not self._parts:
+                self._close()
 
     def holder(self, name: str) -> object | None:
         """The live object behind the part ``name`` (a budget that still plans the step)."""
-        part = self._parts.get(name)
-        return None if part is None else part.holder()
+        for part in self._parts.get(name, []):
+            holder = part.holder()
+            if holder is not None:
+                return holder
+        return None
 
     def _close(self) -> None:
         self._pre_handle.remove()
@@ -181,9 +208,8 @@ class StepHooks:
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         changed = False
-        for name in PRE_ORDER:
-            part = self._parts.get(name)
-            hook = part.pre() if part is not None else None
+        for part in self._in_order(PRE_ORDER):
+            hook = part.pre()
             if hook is None:
                 continue
             result = hook(optimizer, args, kwargs)
@@ -192,14 +218,14 @@ class StepHooks:
                 changed = True
         return (args, kwargs) if changed else None
 
+    def _in_order(self, order: tuple[str, ...]) -> list[_Part]:
+        return [part for name in order for part in list(self._parts.get(name, []))]
+
     def _after(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         failed: BaseException | None = None
-        for name in POST_ORDER:
-            part = self._parts.get(name)
-            if part is None:
-                continue
+        for part in self._in_order(POST_ORDER):
             if failed is not None:
                 abort = part.abort()
                 if abort is not None:

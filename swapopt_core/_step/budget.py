@@ -38,6 +38,7 @@ from swapopt_core._device.meter import AllocatorMeter, StepMeter
 from swapopt_core._errors import SwapOptWarning
 from swapopt_core._planning.floor import format_bytes
 from swapopt_core._planning.index import TraceIndex
+from swapopt_core._planning.ir import ActivationTrace
 from swapopt_core._planning.partition import partition
 from swapopt_core._planning.update_model import HELD_BATCHES
 from swapopt_core._planning.whole_step import (
@@ -440,32 +441,16 @@ class StepBudget:
         trace = self.executor.trace
         if trace is None:
             return
-        ready = tuple(self.executor.gradient_ready)
-        start = min((op for op, _ in ready), default=None)
-        if start is None:
-            ix = TraceIndex(trace)
-            start = max(range(ix.n), key=ix.natural.__getitem__, default=0)
-        held = {t.untyped_storage() for t in self._held() if t.device.type != "meta"}
         units = tuple(self._predicted_state(param) for param in self._params())
-        inputs = StepInputs(
-            budget_bytes=self.budget,
-            params_bytes=self.params_bytes,
-            grads_bytes=self.grads_bytes,
-            optimizer=OptimizerCosts(
-                unit_bytes=tuple(b for b in units if b),
-                update_ms_per_byte=0.0,  # not measured yet: only "does it all fit" is asked
-                fixed_state_bytes=self._fixed_state_bytes(),
-                staging_factor=_FIRST_STAGING_FACTOR,
-                resident_factor=_FIRST_RESIDENT_FACTOR,
-            ),
-            trace=trace.with_limit(None),
-            backward_start_op=start,
-            planner=self.executor.planner,
-            grad_ready=ready,
-            inputs_bytes=self.executor.outside_inputs.bytes_besides(held),
+        costs = OptimizerCosts(
+            unit_bytes=tuple(b for b in units if b),
+            update_ms_per_byte=0.0,  # not measured yet: only "does it all fit" is asked
+            fixed_state_bytes=self._fixed_state_bytes(),
+            staging_factor=_FIRST_STAGING_FACTOR,
+            resident_factor=_FIRST_RESIDENT_FACTOR,
         )
         try:
-            plan = plan_step(inputs)
+            plan = plan_step(self._step_inputs(trace, costs))
         except BudgetTooSmall:
             return
         if not plan.moves_nothing:
@@ -612,26 +597,7 @@ class StepBudget:
                 staging_factor=max(costs.staging_factor, measured),
                 resident_factor=resident,
             )
-        ready = tuple(self.executor.gradient_ready)
-        start = min((op for op, _ in ready), default=None)
-        if start is None:
-            ix = TraceIndex(trace)
-            start = max(range(ix.n), key=ix.natural.__getitem__, default=0)
-        # The batch made before the window (on a GPU: moved to the device before it) is
-        # read by the step and held through it, but no trace storage: it counts apart.
-        held = {t.untyped_storage() for t in self._held() if t.device.type != "meta"}
-        outside = self.executor.outside_inputs.bytes_besides(held)
-        inputs = StepInputs(
-            budget_bytes=self.budget,
-            params_bytes=self.params_bytes,
-            grads_bytes=self.grads_bytes,
-            optimizer=costs,
-            trace=trace.with_limit(None),
-            backward_start_op=start,
-            planner=self.executor.planner,
-            grad_ready=ready,
-            inputs_bytes=outside,
-        )
+        inputs = self._step_inputs(trace, costs)
         self._inputs = inputs
         try:
             plan = plan_step(inputs)
@@ -643,6 +609,28 @@ class StepBudget:
             self._keep_first_settings()
             return
         self._apply(plan)
+
+    def _step_inputs(self, trace: ActivationTrace, costs: OptimizerCosts) -> StepInputs:
+        """What the whole-step planner plans from: the traced step, the update's ``costs``."""
+        ready = tuple(self.executor.gradient_ready)
+        start = min((op for op, _ in ready), default=None)
+        if start is None:
+            ix = TraceIndex(trace)
+            start = max(range(ix.n), key=ix.natural.__getitem__, default=0)
+        # The batch made before the window (on a GPU: moved to the device before it) is
+        # read by the step and held through it, but no trace storage: it counts apart.
+        held = {t.untyped_storage() for t in self._held() if t.device.type != "meta"}
+        return StepInputs(
+            budget_bytes=self.budget,
+            params_bytes=self.params_bytes,
+            grads_bytes=self.grads_bytes,
+            optimizer=costs,
+            trace=trace.with_limit(None),
+            backward_start_op=start,
+            planner=self.executor.planner,
+            grad_ready=ready,
+            inputs_bytes=self.executor.outside_inputs.bytes_besides(held),
+        )
 
     def _keep_first_settings(self) -> None:
         """No plan the planner prices fits, but the first step, as it ran, did: keep its

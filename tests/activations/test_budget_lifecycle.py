@@ -327,3 +327,49 @@ def test_a_budget_the_first_step_kept_is_never_refused_after_it() -> None:
         elif outcome == "kept":
             assert max(peaks) <= budget, (share, peaks, budget)
     assert "kept" in outcomes
+
+
+def test_a_plan_loaded_for_another_budget_is_planned_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A plan made at a roomy activation budget, loaded into a session whose device budget
+    leaves activations less: it replays planned for this session's room, not its own."""
+    model = gpt()
+    roomy = OffloadSession(OffloadConfig(max_resident_activation_mb=512, runtime="loopback"))
+    with roomy:
+        backward(model, tokens(0))
+    trace, schedule = roomy.trace, roomy.schedule
+    assert trace is not None and schedule is not None
+    model = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    session = _session(opt, 2.0, min_offload_kib=0)  # about half the tiny GPT's step
+    _step(session, model, opt, 0)
+    room = session._executor.budget_bytes
+    assert trace.memory_limit_bytes > 64 * room
+    with caplog.at_level("WARNING", logger="swapopt_core._activations.session"):
+        session.load_plan(trace, schedule)
+    assert "planned again" in caplog.text
+    assert session.trace is not None and session.trace.memory_limit_bytes == room
+
+
+def test_the_first_warmup_under_a_device_budget_plans_nothing_of_its_own() -> None:
+    """The whole-step plan, made after the first update, replaces the first warmup's
+    activation plan: the warmup makes none (nor warns that its budget is infeasible)."""
+    model = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    session = _session(opt, 2.0, min_offload_kib=0)
+    planner = session._executor.planner
+    calls = []
+    real = planner.plan
+
+    def counted(trace: object) -> object:
+        calls.append(trace)
+        return real(trace)  # type: ignore[arg-type]
+
+    planner.plan = counted  # type: ignore[method-assign]
+    with session:
+        backward(model, tokens(0))
+    assert calls == [], "the first warmup planned its activations itself"
+    opt.step()
+    assert calls, "the whole-step plan planned no activations"
+    assert session.stats().planned_step_peak_device_bytes is not None

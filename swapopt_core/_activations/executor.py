@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
@@ -135,7 +136,7 @@ class Executor:
         #: first plan (a warmup's plan is its to make: none is made here), ``"refuse"``
         #: after it (a trace that grew past the activation budget raises ``BudgetTooSmall``
         #: instead of being planned for more), ``None`` without one.
-        self.owned: str | None = None
+        self.owned: Literal["defer", "refuse"] | None = None
         self.device_budget_bytes = 0  # the owning budget's, for BudgetTooSmall.floor_bytes
         #: Set by the owning budget before its plan: which storages made before an entry
         #: take room from a warmup's budget when read (``Scope.outside_counts``).

@@ -74,12 +74,13 @@ METERED_STEPS = 2
 _STATE_PER_PARAM = 2
 
 
-def _unique_storages(tensors: Iterator[torch.Tensor]) -> dict[Any, torch.Tensor]:
-    """One tensor per storage (parameters may share one: tied weights)."""
-    seen: dict[Any, torch.Tensor] = {}
+def _unique_storages(tensors: Iterator[torch.Tensor]) -> dict[torch.UntypedStorage, torch.Tensor]:
+    """One tensor per storage (parameters may share one: tied weights), keyed by the
+    storage itself."""
+    seen: dict[torch.UntypedStorage, torch.Tensor] = {}
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-            seen.setdefault(tensor.untyped_storage()._cdata, tensor)
+            seen.setdefault(tensor.untyped_storage(), tensor)
     return seen
 
 
@@ -131,10 +132,6 @@ class StepBudget:
                 f"{sure / 2**20:.2f}.",
                 sure,
             )
-        # Forward and backward hold no staging (the update comes after them): the first
-        # warmup keeps activations under what parameters, gradients and the state that never
-        # moves leave (and the batch it reads from outside, as it reads it).
-        left = max(0, budget - self.params_bytes - self.grads_bytes)
         self.engine = self._install(config)
         # The executor plans no warmup of its own until the whole-step plan did (which
         # replaces it), and refuses a trace that grew past the plan after that.
@@ -146,8 +143,12 @@ class StepBudget:
         self._traced_before = 0
         self._plan_due = False  # a step traced again after it grew: plan after its update
         self._first_kept_state = False  # the first update ran with every state resident
-        # The warmup keeps activations under what the conservative update leaves.
-        executor.budget_bytes = max(0, left - self._fixed_state_bytes())
+        # Forward and backward hold no staging (the update comes after them): the first
+        # warmup keeps activations under what parameters, gradients and the state that never
+        # moves leave (and the batch it reads from outside, as it reads it).
+        executor.budget_bytes = max(
+            0, budget - self.params_bytes - self.grads_bytes - self._fixed_state_bytes()
+        )
         logger.info(
             "swapopt: first step under a device budget of %s: activations under %s",
             format_bytes(budget),
@@ -231,7 +232,7 @@ class StepBudget:
         """Device bytes of optimizer state that is not swapped (tiny tensors, step counts);
         on the loopback runtimes CPU plays the device, so every state tensor that is not a
         swapped slot's host copy counts."""
-        hosts = {slot.host.untyped_storage()._cdata for slot in self.engine.slots.values()}
+        hosts = {slot.host.untyped_storage() for slot in self.engine.slots.values()}
         loopback = self.engine.runtime.name.startswith("loopback")
         held = _unique_storages(
             value
@@ -244,8 +245,6 @@ class StepBudget:
             for key, t in held.items()
             if key not in hosts and (loopback or t.device.type != "cpu")
         )
-
-    # ---- the step ------------------------------------------------------------------------
 
     # ---- the budget's life ----------------------------------------------------------------
 
@@ -358,7 +357,7 @@ class StepBudget:
         if self.executor.owned == "defer":
             # Before a plan, the warmup keeps activations under what the rest of the step
             # leaves; the batch made before the entry is part of that rest once read.
-            held = {t.untyped_storage() for t in self._held() if t.device.type != "meta"}
+            held = self._held_storages()
             self.executor.outside_counts = lambda storage: storage not in held
         if self._meter is None:
             meter = self.engine.runtime.step_meter()
@@ -372,6 +371,10 @@ class StepBudget:
             meter.begin(self._held())
             self._meter = meter
             self._phase_peak = 0
+
+    def _held_storages(self) -> set[torch.UntypedStorage]:
+        """The storages of what the step holds from its start (see ``_held``)."""
+        return {t.untyped_storage() for t in self._held() if t.device.type != "meta"}
 
     def _held(self) -> Iterator[torch.Tensor]:
         for param in self._params():
@@ -413,7 +416,7 @@ class StepBudget:
             return loss
 
         if inspect.isfunction(closure):
-            # Keeps the marks other step hooks put on the closure (the per-parameter swap's).
+            # Keeps the marks the caller put on its closure.
             functools.update_wrapper(closure_then_update, closure)
         closure_then_update.step_budget = self  # type: ignore[attr-defined]
         if positional:
@@ -427,7 +430,8 @@ class StepBudget:
             self._phase_peak = meter.restart_peak()
             self.step_peak = max(self.step_peak, self._phase_peak)
             self._update_start = meter.current_bytes
-            self._state_at_start = self._fixed_state_bytes()
+            if self._update_extra is None:  # the first update may create the state
+                self._state_at_start = self._fixed_state_bytes()
         if not self._planned_once and self.plan is None:
             self._plan_first_update()
 
@@ -498,12 +502,12 @@ class StepBudget:
             update_peak = meter.end()
             self.last_step_peak = max(self._phase_peak, update_peak)
             self.step_peak = max(self.step_peak, update_peak)
-            # State the update created and kept (a fresh optimizer's, kept resident) is
-            # state, not what the update holds besides it.
-            created = max(0, self._fixed_state_bytes() - self._state_at_start)
-            extra = max(0, update_peak - self._update_start - created)
+            extra = max(0, update_peak - self._update_start)
             if self._update_extra is None:
-                self._update_extra = extra
+                # State the first update created and kept (a fresh optimizer's, resident)
+                # is state, not what the update holds besides it.
+                created = max(0, self._fixed_state_bytes() - self._state_at_start)
+                self._update_extra = max(0, extra - created)
             elif self.plan is not None and self._inputs is not None:
                 self._correct(extra)
         if not self._planned_once or self._plan_due:
@@ -619,7 +623,7 @@ class StepBudget:
             start = max(range(ix.n), key=ix.natural.__getitem__, default=0)
         # The batch made before the window (on a GPU: moved to the device before it) is
         # read by the step and held through it, but no trace storage: it counts apart.
-        held = {t.untyped_storage() for t in self._held() if t.device.type != "meta"}
+        held = self._held_storages()
         return StepInputs(
             budget_bytes=self.budget,
             params_bytes=self.params_bytes,
@@ -643,7 +647,7 @@ class StepBudget:
         )
         # Its activations keep what is left now that the state exists (the state that
         # never moves, step counts, was not there in the first step's forward).
-        held = {t.untyped_storage() for t in self._held() if t.device.type != "meta"}
+        held = self._held_storages()
         room = (
             self.budget
             - self.params_bytes
@@ -651,7 +655,6 @@ class StepBudget:
             - self._fixed_state_bytes()
             - self.executor.outside_inputs.bytes_besides(held)
         )
-        self.executor.owned = None
         self.executor.rebudget(max(0, min(self.executor.budget_bytes, room)), None)
         self.executor.owned = "refuse"
 
